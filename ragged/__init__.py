@@ -1,0 +1,47 @@
+"""ragged: the framework-agnostic core of ragged-fsdp (numpy and the standard library only).
+
+RaggedShard placements, granularities, the structure-aware planner and its Layout, redistribution
+plans, model shape presets and the baselines they are compared with.
+"""
+
+from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
+from ragged._granularity import Granularity, block_numel
+from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
+from ragged._placement import RaggedShard
+from ragged._planner import plan
+from ragged._presets import LLAMA_TINY, LlamaConfig, ModelShapes, UnitShapes, model_names, model_shapes
+from ragged._redistribute import (
+    Transfer,
+    chunk_sizes,
+    ragged_holdings,
+    replicate_holdings,
+    shard_holdings,
+    transfers,
+)
+
+__all__ = [
+    "LLAMA_TINY",
+    "Granularity",
+    "GranularityError",
+    "Layout",
+    "LlamaConfig",
+    "ModelShapes",
+    "Piece",
+    "PlacementError",
+    "PlanningError",
+    "RaggedError",
+    "RaggedShard",
+    "TensorSlot",
+    "TensorSpec",
+    "Transfer",
+    "UnitShapes",
+    "block_numel",
+    "chunk_sizes",
+    "model_names",
+    "model_shapes",
+    "plan",
+    "ragged_holdings",
+    "replicate_holdings",
+    "shard_holdings",
+    "transfers",
+]

@@ -1,0 +1,264 @@
+"""Layout: where each tensor of one FSDP unit lives in the unit's global flat buffer.
+
+The buffer holds ``world_size * shard_size`` elements; device ``d`` owns the contiguous shard
+``[d * S, (d + 1) * S)``. Each tensor is one contiguous interval ``[offset, offset + numel)``, padding
+lies only between tensors, and no shard boundary falls strictly inside one of a tensor's blocks.
+Backends read offsets and per-device pieces from here; they never recompute them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ragged._errors import PlanningError
+from ragged._granularity import Granularity
+from ragged._placement import RaggedShard
+
+Shape = tuple[int, ...]
+
+
+def _ceil_to(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to plan: its name, shape and granularity (resolved to ``block`` elements)."""
+
+    name: str
+    shape: Shape
+    granularity: Granularity = Granularity("elements", 1)
+    block: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(s) for s in self.shape)
+        if any(s < 0 for s in shape):
+            raise PlanningError(f"{self.name}: shape {shape} has a negative dim")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "granularity", Granularity.parse(self.granularity))
+        object.__setattr__(self, "block", self.granularity.block_numel(shape, self.name))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """A planned tensor: its interval ``[offset, offset + numel)`` in the global buffer."""
+
+    name: str
+    shape: Shape
+    block: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class Piece(NamedTuple):
+    """The part of one tensor that one device holds.
+
+    ``[start, stop)`` indexes the tensor's flattened storage; ``local_offset`` is where that part
+    begins inside the device's shard of ``shard_size`` elements.
+    """
+
+    name: str
+    start: int
+    stop: int
+    local_offset: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The planned global buffer of one FSDP unit. Tensors keep the order they were given in."""
+
+    world_size: int
+    shard_size: int
+    tensors: tuple[TensorSlot, ...]
+    align: int = 1
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        _check_layout(self)
+
+    # ----- sizes -------------------------------------------------------------------------------
+    @property
+    def total_numel(self) -> int:
+        """Elements in the global buffer: ``world_size * shard_size``."""
+        return self.world_size * self.shard_size
+
+    @property
+    def used_numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def padding(self) -> int:
+        return self.total_numel - self.used_numel
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded elements over buffer elements."""
+        return self.padding / self.total_numel if self.total_numel else 0.0
+
+    @property
+    def lower_bound(self) -> int:
+        """A lower bound on any valid shard size for these tensors, world size and alignment.
+
+        Every element must fit (``ceil(used / world_size)``) and every block must fit inside one
+        shard (``max block``), and the shard size is a multiple of ``align``.
+        """
+        return shard_size_lower_bound(
+            [(t.numel, t.block) for t in self.tensors], self.world_size, self.align
+        )
+
+    @property
+    def gap(self) -> float:
+        """How far ``shard_size`` is above ``lower_bound``, as a ratio (0.0 means optimal)."""
+        return self.shard_size / self.lower_bound - 1.0
+
+    # ----- lookups -----------------------------------------------------------------------------
+    def slot(self, name: str) -> TensorSlot:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"tensor {name!r} is not in layout {self.name!r}")
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Device ``rank``'s half-open range of the global buffer."""
+        if not 0 <= rank < self.world_size:
+            raise PlanningError(f"rank {rank} is outside world size {self.world_size}")
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def local_units(self, name: str) -> tuple[int, ...]:
+        """Blocks of tensor ``name`` held by each device."""
+        t = self.slot(name)
+        units = []
+        for d in range(self.world_size):
+            lo, hi = self.shard_range(d)
+            units.append(max(0, min(hi, t.end) - max(lo, t.offset)) // t.block)
+        if t.numel == 0:  # an empty tensor is "held" by the device its offset falls in
+            units[min(t.offset // max(self.shard_size, 1), self.world_size - 1)] = 1
+        return tuple(units)
+
+    def placement(self, name: str) -> RaggedShard:
+        """Tensor ``name``'s ``RaggedShard``: the coarsest prefix dims whose block divides its block."""
+        t = self.slot(name)
+        k = 0
+        while t.numel and t.block % math.prod(t.shape[k:]):
+            k += 1
+        if t.numel == 0:
+            k = 0
+        return RaggedShard(tuple(range(k)), self.local_units(name))
+
+    def local_pieces(self, rank: int) -> tuple[Piece, ...]:
+        """The pieces of tensors that device ``rank`` holds, in buffer order."""
+        lo, hi = self.shard_range(rank)
+        pieces = []
+        for t in self.tensors:
+            start, stop = max(lo, t.offset), min(hi, t.end)
+            if start < stop:
+                pieces.append(Piece(t.name, start - t.offset, stop - t.offset, start - lo))
+        return tuple(sorted(pieces, key=lambda p: p.local_offset))
+
+    # ----- serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "world_size": self.world_size,
+            "shard_size": self.shard_size,
+            "align": self.align,
+            "tensors": [
+                {
+                    "name": t.name,
+                    "shape": list(t.shape),
+                    "numel": t.numel,
+                    "block": t.block,
+                    "offset": t.offset,
+                    "local_units": list(self.local_units(t.name)),
+                }
+                for t in self.tensors
+            ],
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], world_size: int | None = None) -> Layout:
+        """Rebuild a Layout; derived fields (numel, local_units) are checked, not trusted."""
+        world = int(data.get("world_size", world_size or 0))
+        layout = cls(
+            world_size=world,
+            shard_size=int(data["shard_size"]),
+            tensors=tuple(
+                TensorSlot(t["name"], tuple(t["shape"]), int(t["block"]), int(t["offset"]))
+                for t in data["tensors"]
+            ),
+            align=int(data.get("align", 1)),
+            name=str(data.get("name", "")),
+        )
+        for t in data["tensors"]:
+            if "numel" in t and int(t["numel"]) != math.prod(t["shape"]):
+                raise PlanningError(f"{t['name']}: numel {t['numel']} does not match shape {t['shape']}")
+            if "local_units" in t and tuple(t["local_units"]) != layout.local_units(t["name"]):
+                raise PlanningError(
+                    f"{t['name']}: local_units {t['local_units']} do not match the offsets "
+                    f"(expected {list(layout.local_units(t['name']))})"
+                )
+        return layout
+
+    @classmethod
+    def from_json(cls, text: str) -> Layout:
+        return cls.from_dict(json.loads(text))
+
+
+def shard_size_lower_bound(items: list[tuple[int, int]], world_size: int, align: int) -> int:
+    """``max(ceil(sum numel / m), max block)`` rounded up to ``align``; at least ``align``."""
+    used = sum(e for e, _ in items)
+    biggest = max((g for e, g in items if e), default=1)
+    return max(_ceil_to(-(-used // world_size), align), _ceil_to(biggest, align), align)
+
+
+def _check_layout(layout: Layout) -> None:
+    """Reject a layout that breaks the buffer's rules, naming the tensor and the rule."""
+    m, s, align = layout.world_size, layout.shard_size, layout.align
+    if m < 1:
+        raise PlanningError(f"layout {layout.name!r}: world_size {m} must be >= 1")
+    if align < 1 or s < 1 or s % align:
+        raise PlanningError(
+            f"layout {layout.name!r}: shard_size {s} must be a positive multiple of align {align}"
+        )
+    names = [t.name for t in layout.tensors]
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        raise PlanningError(f"layout {layout.name!r}: duplicate tensor names {dupes}")
+    prev_end, prev_name = 0, None
+    for t in sorted(layout.tensors, key=lambda t: (t.offset, t.numel)):
+        if t.block < 1 or (t.numel and t.numel % t.block):
+            raise PlanningError(f"{t.name}: block {t.block} does not divide numel {t.numel}")
+        if t.offset < 0 or t.offset % align:
+            raise PlanningError(f"{t.name}: offset {t.offset} is not a non-negative multiple of {align}")
+        if t.end > m * s:
+            raise PlanningError(f"{t.name}: ends at {t.end}, past the buffer's {m} x {s} elements")
+        if t.numel and t.offset < prev_end:
+            raise PlanningError(f"{t.name}: overlaps {prev_name} (starts at {t.offset} < {prev_end})")
+        first = t.offset // s + 1  # the first boundary index strictly after the offset
+        last = (t.end - 1) // s  # the last boundary index strictly before the end
+        if t.numel and first <= last:
+            if (first * s - t.offset) % t.block or (last > first and s % t.block):
+                raise PlanningError(
+                    f"{t.name}: a shard boundary cuts one of its blocks of {t.block} elements "
+                    f"(offset {t.offset}, shard size {s})"
+                )
+        if t.numel:
+            prev_end, prev_name = t.end, t.name

@@ -1,0 +1,120 @@
+"""RaggedShard: veScale-FSDP's placement over a tensor's flattened row-major storage.
+
+A tensor of shape ``shape`` is viewed as ``prod(shape[:k])`` blocks of ``prod(shape[k:])``
+elements, where ``dims = (0, ..., k-1)``. The blocks are grouped into ``sum(local_units)`` equal
+units and device ``i`` holds ``local_units[i]`` consecutive units. Element-wise (``k = ndim``),
+row-wise (``k = ndim - 1``), N-row blocks, uneven splits, empty shards (a zero unit) and
+"one device holds it all" (``dims = ()``, one-hot units) are special cases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+
+from ragged._errors import PlacementError
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RaggedShard:
+    """Placement of one tensor over ``len(local_units)`` devices.
+
+    Args:
+        dims: a prefix ``(0, ..., k-1)`` of the tensor's dims; the block is ``prod(shape[k:])``
+            elements. ``()`` means one device holds the whole tensor.
+        local_units: the number of units each device holds (zero allowed, uneven allowed).
+
+    Example:
+        >>> p = RaggedShard(dims=(0,), local_units=(1, 0, 2))
+        >>> p.ranges((6, 4))
+        ((0, 8), (8, 8), (8, 24))
+    """
+
+    dims: tuple[int, ...]
+    local_units: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
+        object.__setattr__(self, "local_units", tuple(int(u) for u in self.local_units))
+        if self.dims != tuple(range(len(self.dims))):
+            raise PlacementError(
+                f"RaggedShard dims={self.dims} must be a prefix (0, ..., k-1) of the tensor's dims"
+            )
+        if not self.local_units:
+            raise PlacementError("RaggedShard local_units is empty: give one entry per device")
+        negative = [i for i, u in enumerate(self.local_units) if u < 0]
+        if negative:
+            raise PlacementError(
+                f"RaggedShard local_units={self.local_units} has negative units on device(s) {negative}"
+            )
+        if sum(self.local_units) == 0:
+            raise PlacementError(
+                f"RaggedShard local_units={self.local_units} sums to 0: some device must hold the tensor"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.local_units)
+
+    def block_numel(self, shape: Shape) -> int:
+        """Elements in one block: ``prod(shape[len(dims):])``."""
+        return math.prod(shape[len(self.dims):])
+
+    def unit_numel(self, shape: Shape, name: str = "tensor") -> int:
+        """Elements in one unit (``numel // sum(local_units)``), after validating ``shape``."""
+        self.validate(shape, name)
+        return math.prod(shape) // sum(self.local_units)
+
+    def validate(self, shape: Shape, name: str = "tensor", world_size: int | None = None) -> None:
+        """Raise ``PlacementError`` naming ``name`` if this placement cannot shard ``shape``."""
+        shape = tuple(shape)
+        if any(s < 0 for s in shape):
+            raise PlacementError(f"{name}: shape {shape} has a negative dim")
+        if len(self.dims) > len(shape):
+            raise PlacementError(
+                f"{name}: RaggedShard dims={self.dims} has more dims than the tensor's shape {shape}"
+            )
+        if world_size is not None and world_size != self.world_size:
+            raise PlacementError(
+                f"{name}: RaggedShard local_units has {self.world_size} entries but the mesh dim has "
+                f"{world_size} devices"
+            )
+        numel = math.prod(shape)
+        total = sum(self.local_units)
+        if numel % total:
+            raise PlacementError(
+                f"{name}: numel {numel} of shape {shape} is not divisible by sum(local_units)={total} "
+                f"(local_units={self.local_units})"
+            )
+        block = self.block_numel(shape)
+        if block and (numel // total) % block:
+            raise PlacementError(
+                f"{name}: unit of {numel // total} elements (numel {numel} / sum(local_units) {total}) "
+                f"would cut a block of {block} elements (dims={self.dims}, shape {shape}); "
+                f"sum(local_units) must divide prod(shape[:{len(self.dims)}])="
+                f"{math.prod(shape[:len(self.dims)])}"
+            )
+
+    def ranges(self, shape: Shape, name: str = "tensor") -> tuple[tuple[int, int], ...]:
+        """Each device's half-open element range ``[start, end)`` of the flattened tensor."""
+        unit = self.unit_numel(shape, name)
+        cum = (0, *accumulate(self.local_units))
+        return tuple((cum[i] * unit, cum[i + 1] * unit) for i in range(self.world_size))
+
+    def local_numel(self, shape: Shape, rank: int, name: str = "tensor") -> int:
+        start, end = self.ranges(shape, name)[rank]
+        return end - start
+
+    def local_shape(self, shape: Shape, rank: int, name: str = "tensor") -> tuple[int]:
+        """The local tensor is the flat 1-D slice of the row-major storage."""
+        return (self.local_numel(shape, rank, name),)
+
+    @staticmethod
+    def whole_on(root: int, world_size: int) -> RaggedShard:
+        """One device (``root``) holds the whole tensor; the others hold nothing."""
+        if not 0 <= root < world_size:
+            raise PlacementError(f"root {root} is outside the {world_size} devices")
+        return RaggedShard((), tuple(int(i == root) for i in range(world_size)))
