@@ -5,7 +5,7 @@ plans, model shape presets and the baselines they are compared with.
 """
 
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
-from ragged._granularity import Granularity, block_numel
+from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
 from ragged._placement import RaggedShard
 from ragged._planner import plan
@@ -36,6 +36,7 @@ __all__ = [
     "Transfer",
     "UnitShapes",
     "block_numel",
+    "granularity_for",
     "chunk_sizes",
     "model_names",
     "model_shapes",

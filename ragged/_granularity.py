@@ -111,3 +111,12 @@ class Granularity:
 def block_numel(granularity: Granularity | int | str, shape: Shape, name: str = "tensor") -> int:
     """Resolve ``granularity`` for a tensor ``name`` of ``shape`` to a block size in elements."""
     return Granularity.parse(granularity).block_numel(shape, name)
+
+
+def granularity_for(shape: Shape, matrix: Granularity | int | str = "rows:1") -> Granularity:
+    """The default rule: ``matrix`` for tensors of two or more dims, element-wise for 1-D ones.
+
+    This is what FSDP2 users expect (whole rows of every matrix stay on one device) and what the
+    ``ragged plan`` command applies to tensors without their own granularity.
+    """
+    return Granularity.parse(matrix) if len(shape) >= 2 else Granularity("elements", 1)
