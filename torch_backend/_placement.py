@@ -1,0 +1,79 @@
+"""RaggedShard as a ``torch.distributed.tensor.Placement``.
+
+The placement is a thin torch-side twin of the core :class:`ragged.RaggedShard`: it carries the same
+``dims`` and ``local_units`` and asks the core for every range, validation and plan. On its mesh dim,
+device ``i``'s local tensor is the flat 1-D slice ``[start_i, end_i)`` of the global tensor's row-major
+storage (empty for a zero unit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Placement
+
+import ragged
+
+
+class RaggedShard(Placement):
+    """A DTensor placement that holds ``local_units[i]`` equal units of the flattened tensor on device ``i``.
+
+    The tensor is cut into ``sum(local_units)`` equal units along its flattened row-major storage;
+    a unit never splits a block of ``prod(shape[len(dims):])`` elements (so ``dims=(0,)`` keeps rows
+    whole, ``dims=tuple(range(ndim))`` is element granularity and ``dims=()`` with one-hot units puts
+    the whole tensor on one device). The local tensor is always 1-D.
+
+    Args:
+        dims: a prefix ``(0, ..., k-1)`` of the tensor's dims.
+        local_units: the number of units on each device of the mesh dim (zeros and uneven allowed).
+
+    Raises:
+        ragged.PlacementError: if ``dims`` is not a prefix or ``local_units`` is empty, negative or all zero.
+
+    Example:
+        >>> from torch.distributed.tensor import DTensor
+        >>> p = RaggedShard(dims=(0,), local_units=(1, 0, 2))
+        >>> p.core.ranges((6, 4))
+        ((0, 8), (8, 8), (8, 24))
+    """
+
+    def __init__(self, dims: Sequence[int], local_units: Sequence[int]) -> None:
+        super().__init__()
+        # The core validates (prefix dims, non-negative units, nonzero sum) at construction.
+        self._core = ragged.RaggedShard(tuple(dims), tuple(local_units))
+
+    @property
+    def core(self) -> ragged.RaggedShard:
+        """The framework-agnostic placement that defines every range."""
+        return self._core
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self._core.dims
+
+    @property
+    def local_units(self) -> tuple[int, ...]:
+        return self._core.local_units
+
+    @staticmethod
+    def from_core(core: ragged.RaggedShard) -> RaggedShard:
+        return RaggedShard(core.dims, core.local_units)
+
+    def is_ragged_shard(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RaggedShard) and self._core == other._core
+
+    def __hash__(self) -> int:
+        return hash(("RaggedShard", self._core))
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
+
+    def __str__(self) -> str:
+        return f"RS({self.dims}, {self.local_units})"
+
+    def __reduce__(self):
+        # Placements travel through pickling (DCP metadata, spawn workers); rebuild from the two fields.
+        return (RaggedShard, (self.dims, self.local_units))
