@@ -1,0 +1,39 @@
+"""jax_backend: the core's planned layouts on a ``jax.sharding.Mesh``, with ``shard_map``, flax NNX and optax.
+
+Each FSDP unit is one flat, sharded ``jax.Array`` laid out by ``ragged.plan``; the training step gathers
+one unit at a time, reduce-scatters its gradient and applies optax to the local shards.
+"""
+
+from jax_backend._buffers import (
+    LayoutMismatchError,
+    check_mesh,
+    check_params,
+    flatten_params,
+    fqn,
+    pack_unit,
+    plan_units,
+    shard_params,
+    unpack_unit,
+    unshard_params,
+)
+from jax_backend._compat import make_mesh, shard_map
+from jax_backend._step import FSDP, MixedPrecision, Stage, gather_unit
+
+__all__ = [
+    "FSDP",
+    "LayoutMismatchError",
+    "MixedPrecision",
+    "Stage",
+    "check_mesh",
+    "check_params",
+    "flatten_params",
+    "fqn",
+    "gather_unit",
+    "make_mesh",
+    "pack_unit",
+    "plan_units",
+    "shard_map",
+    "shard_params",
+    "unpack_unit",
+    "unshard_params",
+]

@@ -1,0 +1,184 @@
+"""Unit buffers: each FSDP unit's core ``Layout`` as one 1-D ``jax.Array`` sharded over a mesh axis.
+
+A unit's buffer holds ``world_size * S`` elements with ``NamedSharding(mesh, P(axis))``, so device ``d`` of
+the axis owns ``[d * S, (d + 1) * S)``, exactly the core's shard. Every parameter is the static slice
+``[offset, offset + numel)`` of its unit's buffer, reshaped; offsets are read from the ``Layout`` and never
+recomputed, so converting parameters to buffers and back is exact (only copies, no arithmetic).
+Parameters are addressed by FQN (``layers.0.attention.wq.weight``), the names the Layout was planned with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import ragged
+from ragged import Granularity, Layout
+
+Shape = tuple[int, ...]
+GranularityFn = Callable[[str, Shape], "Granularity | int | str"]
+
+
+class LayoutMismatchError(ragged.RaggedError):
+    """Parameters, a mesh or a world size that do not match the planned Layouts."""
+
+
+def fqn(path: Sequence[Any]) -> str:
+    """The dotted name of a pytree path: ``('layers', 0, 'wq', 'weight', .value)`` -> ``layers.0.wq.weight``.
+
+    flax NNX Variables flatten to an extra ``.value`` attribute key, which is not part of the name.
+    """
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey) and key.name != "value":
+            parts.append(key.name)
+    return ".".join(parts)
+
+
+def flatten_params(tree: Any) -> dict[str, jax.Array]:
+    """A params pytree (nested dicts, an NNX ``State``) as ``{fqn: array}`` in flattening order."""
+    return {fqn(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def plan_units(units: Iterable[Any], world_size: int, *,
+               granularity: GranularityFn | Granularity | int | str = "rows:1",
+               align: int | None = None, itemsize: int = 4) -> tuple[Layout, ...]:
+    """Plan every FSDP unit with the core planner, exactly as the torch backend does.
+
+    Each unit's tensors become ``TensorSpec(fqn, shape, granularity)`` in the order given (use the core
+    preset's order, ``ragged.model_shapes(name).units``) and go to ``ragged.plan(..., name=unit)``, so the
+    same model, world size and granularity give the same S, offsets and local ranges on both backends.
+
+    Args:
+        units: ``ragged.UnitShapes`` or ``(unit_name, [(fqn, shape), ...])`` pairs, in model order.
+        world_size: devices on the shard axis.
+        granularity: a function ``(fqn, shape) -> granularity`` (e.g. 32-row blocks for some tensors), or
+            one granularity for every matrix via ``ragged.granularity_for`` (1-D tensors stay element-wise).
+        align: collective alignment in elements (default: 16 bytes of the buffer dtype).
+        itemsize: bytes per element of the master buffers (4 for fp32).
+
+    Returns:
+        One ``Layout`` per unit, in order, each named after its unit.
+    """
+    if callable(granularity):
+        rule = granularity
+    else:
+        default = Granularity.parse(granularity)
+        rule = lambda name, shape: ragged.granularity_for(shape, default)
+    layouts = []
+    for unit in units:
+        name, tensors = (unit.name, unit.tensors) if isinstance(unit, ragged.UnitShapes) else unit
+        specs = [ragged.TensorSpec(t, tuple(shape), rule(t, tuple(shape))) for t, shape in tensors]
+        layouts.append(ragged.plan(specs, world_size, align=align, itemsize=itemsize, name=name))
+    return tuple(layouts)
+
+
+def check_mesh(mesh: Mesh, layouts: Sequence[Layout], axis: str, replica_axis: str | None = None) -> None:
+    """Raise ``LayoutMismatchError`` unless ``axis`` (and ``replica_axis``) exist and match the Layouts."""
+    names = tuple(mesh.axis_names)
+    for role, name in (("axis", axis), ("replica_axis", replica_axis)):
+        if name is not None and name not in names:
+            raise LayoutMismatchError(
+                f"{role}={name!r} is not an axis of the mesh (its axes are {names}, shape "
+                f"{dict(mesh.shape)}); pass one of {names}"
+            )
+    if replica_axis == axis:
+        raise LayoutMismatchError(f"replica_axis and axis are both {axis!r}; HSDP needs two distinct axes")
+    size = mesh.shape[axis]
+    for layout in layouts:
+        if layout.world_size != size:
+            raise LayoutMismatchError(
+                f"unit {layout.name!r} was planned for world_size {layout.world_size}, but mesh axis "
+                f"{axis!r} has {size} devices; plan the units for {size} devices (jax_backend.plan_units) "
+                f"or use a mesh whose {axis!r} axis has {layout.world_size} devices"
+            )
+
+
+def check_params(params: Mapping[str, Any], layouts: Sequence[Layout]) -> None:
+    """Raise ``LayoutMismatchError`` naming the FQN if ``params`` do not match the Layouts' tensors."""
+    planned = {t.name: t.shape for layout in layouts for t in layout.tensors}
+    missing = [n for n in planned if n not in params]
+    extra = [n for n in params if n not in planned]
+    if missing or extra:
+        raise LayoutMismatchError(
+            f"params do not match the layout: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''} (layout units: "
+            f"{[layout.name for layout in layouts]})"
+        )
+    for name, shape in planned.items():
+        got = tuple(params[name].shape)
+        if got != shape:
+            raise LayoutMismatchError(
+                f"{name}: params has shape {got}, the layout was planned for shape {shape}"
+            )
+    for layout in layouts:
+        dtypes = {jnp.dtype(params[t.name].dtype) for t in layout.tensors}
+        if len(dtypes) > 1:
+            raise LayoutMismatchError(
+                f"unit {layout.name!r} mixes dtypes {sorted(map(str, dtypes))}; one buffer has one dtype"
+            )
+
+
+def pack_unit(params: Mapping[str, jax.Array], layout: Layout) -> jax.Array:
+    """The unit's global flat buffer ``(world_size * S,)``: each tensor at its offset, zeros between."""
+    dtype = jnp.result_type(*(params[t.name] for t in layout.tensors))
+    parts, cursor = [], 0
+    for t in sorted(layout.tensors, key=lambda t: t.offset):
+        if t.offset > cursor:
+            parts.append(jnp.zeros(t.offset - cursor, dtype))
+        parts.append(jnp.ravel(params[t.name]).astype(dtype))
+        cursor = max(cursor, t.end)
+    if layout.total_numel > cursor:
+        parts.append(jnp.zeros(layout.total_numel - cursor, dtype))
+    return jnp.concatenate(parts)
+
+
+def unpack_unit(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+    """The unit's tensors as static slices of its unsharded buffer, reshaped: ``{fqn: array}``."""
+    if buffer.shape != (layout.total_numel,):
+        raise LayoutMismatchError(
+            f"unit {layout.name!r}: buffer has shape {buffer.shape}, expected ({layout.total_numel},) "
+            f"= world_size {layout.world_size} x S {layout.shard_size}"
+        )
+    return {t.name: buffer[t.offset:t.end].reshape(t.shape) for t in layout.tensors}
+
+
+def buffer_sharding(mesh: Mesh, axis: str) -> NamedSharding:
+    """Buffers are split over ``axis`` and replicated over every other mesh axis (HSDP replicas)."""
+    return NamedSharding(mesh, PartitionSpec(axis))
+
+
+def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mesh,
+                 axis: str) -> dict[str, jax.Array]:
+    """Full parameters ``{fqn: array}`` -> ``{unit: buffer}``, each ``NamedSharding(mesh, P(axis))``.
+
+    Raises:
+        LayoutMismatchError: the axis is not in the mesh or has another size than the Layouts were
+            planned for, or params miss / add a tensor or have another shape than planned.
+    """
+    check_mesh(mesh, layouts, axis)
+    check_params(params, layouts)
+    sharding = buffer_sharding(mesh, axis)
+    pack = jax.jit(lambda p: {lay.name: pack_unit(p, lay) for lay in layouts},
+                   out_shardings={lay.name: sharding for lay in layouts})
+    return pack({t.name: params[t.name] for layout in layouts for t in layout.tensors})
+
+
+def unshard_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> dict[str, jax.Array]:
+    """``{unit: buffer}`` -> full parameters ``{fqn: array}`` in Layout order (static slices only)."""
+    missing = [layout.name for layout in layouts if layout.name not in buffers]
+    if missing:
+        raise LayoutMismatchError(f"buffers miss the units {missing} (have {list(buffers)})")
+    out: dict[str, jax.Array] = {}
+    for layout in layouts:
+        out.update(unpack_unit(buffers[layout.name], layout))
+    return out
+
