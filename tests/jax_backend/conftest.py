@@ -1,0 +1,30 @@
+"""Shared fixtures: llama-tiny, its data, and the single-device reference run (computed once per session).
+
+The reference is the plain way to train: ``jax.grad`` of the unsharded flax model and ``optax.adamw`` on
+the full parameter pytree, with none of jax_backend's buffers, layouts or collectives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+from jax_reference import BATCH, SEQ, STEPS, train_reference
+
+from jax_backend.models import Llama
+
+
+@pytest.fixture(scope="session")
+def model() -> Llama:
+    return Llama(rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="session")
+def batches() -> np.ndarray:
+    """``STEPS`` batches of token ids ``(BATCH, SEQ + 1)``: inputs are ``[:, :-1]``, targets ``[:, 1:]``."""
+    return np.random.default_rng(0).integers(0, 256, size=(STEPS, BATCH, SEQ + 1)).astype(np.int32)
+
+
+@pytest.fixture(scope="session")
+def reference(model: Llama, batches: np.ndarray) -> tuple[list[float], dict]:
+    return train_reference(model, batches)

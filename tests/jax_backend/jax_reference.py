@@ -1,0 +1,57 @@
+"""Helpers of the JAX tests: the single-device reference run and error measures (no fixtures here)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jax_backend import flatten_params
+from jax_backend.models import Llama, cross_entropy
+
+STEPS = 10
+BATCH = 24  # divisible by 1, 2, 3, 4 and 8 devices
+SEQ = 16
+LR = 1e-3
+
+
+def adamw() -> optax.GradientTransformation:
+    return optax.adamw(LR, weight_decay=0.1)
+
+
+def train_reference(model: Llama, batches: np.ndarray, compute_dtype=None) -> tuple[list[float], dict]:
+    """Single-device training; with ``compute_dtype`` the forward runs on a cast copy of fp32 masters."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt = adamw()
+
+    def loss_fn(p, x, y):
+        if compute_dtype is not None:
+            p = jax.tree.map(lambda a: a.astype(compute_dtype), p)
+        return cross_entropy(nnx.merge(graphdef, p)(x), y)
+
+    @jax.jit
+    def step(p, s, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state, losses = opt.init(params), []
+    for b in batches:
+        params, state, loss = step(params, state, b[:, :-1], b[:, 1:])
+        losses.append(float(loss))
+    return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}
+
+
+def rel_err(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_params_close(got: dict, want: dict, rtol: float) -> None:
+    assert list(got) == list(want) or sorted(got) == sorted(want)
+    errors = {k: rel_err(jnp.asarray(got[k], jnp.float32), want[k]) for k in want}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= rtol, f"{worst}: relative error {errors[worst]:.3g} > {rtol}"
