@@ -4,6 +4,8 @@ RaggedShard placements, granularities, the structure-aware planner and its Layou
 plans, model shape presets and the baselines they are compared with.
 """
 
+from ragged._advise import Advice, HsdpOption, advise
+from ragged._baselines import BaselineLayout, baseline_layouts
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
@@ -18,8 +20,23 @@ from ragged._redistribute import (
     shard_holdings,
     transfers,
 )
+from ragged._shapes_file import UnitSpecs, model_units, parse_shapes, read_shapes_file
+from ragged._sweep import SweepRow, padding_sweep, time_whole_model, write_sweep
 
 __all__ = [
+    "Advice",
+    "HsdpOption",
+    "advise",
+    "BaselineLayout",
+    "baseline_layouts",
+    "UnitSpecs",
+    "model_units",
+    "parse_shapes",
+    "read_shapes_file",
+    "SweepRow",
+    "padding_sweep",
+    "time_whole_model",
+    "write_sweep",
     "LLAMA_TINY",
     "Granularity",
     "GranularityError",
