@@ -114,8 +114,9 @@ class Layout:
     def lower_bound(self) -> int:
         """A lower bound on any valid shard size for these tensors, world size and alignment.
 
-        Every element must fit (``ceil(used / world_size)``) and every block must fit inside one
-        shard (``max block``), and the shard size is a multiple of ``align``.
+        Every element must fit (``ceil(used / world_size)``), every block must fit inside one shard
+        (``max block``), the shard size is a multiple of ``align``, and every tensor of at least two
+        shards contains a whole one, so its block divides the shard size (see ``ShardGrid``).
         """
         return shard_size_lower_bound(
             [(t.numel, t.block) for t in self.tensors], self.world_size, self.align
@@ -123,7 +124,7 @@ class Layout:
 
     @property
     def gap(self) -> float:
-        """How far ``shard_size`` is above ``lower_bound``, as a ratio (0.0 means optimal)."""
+        """How far ``shard_size`` is above ``lower_bound``, as a ratio (0.0 proves it optimal)."""
         return self.shard_size / self.lower_bound - 1.0
 
     # ----- lookups -----------------------------------------------------------------------------
@@ -169,6 +170,26 @@ class Layout:
             if start < stop:
                 pieces.append(Piece(t.name, start - t.offset, stop - t.offset, start - lo))
         return tuple(sorted(pieces, key=lambda p: p.local_offset))
+
+    def renamed(self, names: tuple[str, ...], name: str) -> Layout:
+        """The same layout with its tensors renamed (in order) and the unit named ``name``.
+
+        Offsets, shapes and blocks are unchanged, so only the new names need checking; this is how
+        ``plan_model`` reuses one plan for every repeat of a layer.
+        """
+        if len(names) != len(self.tensors):
+            raise PlanningError(
+                f"layout {name!r}: {len(names)} names for {len(self.tensors)} tensors"
+            )
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise PlanningError(f"layout {name!r}: duplicate tensor names {dupes}")
+        out = object.__new__(Layout)  # skip __post_init__: the checked geometry is reused as is
+        tensors = tuple(TensorSlot(n, t.shape, t.block, t.offset) for n, t in zip(names, self.tensors))
+        for key, value in (("world_size", self.world_size), ("shard_size", self.shard_size),
+                           ("tensors", tensors), ("align", self.align), ("name", name)):
+            object.__setattr__(out, key, value)
+        return out
 
     # ----- serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -222,11 +243,76 @@ class Layout:
         return cls.from_dict(json.loads(text))
 
 
-def shard_size_lower_bound(items: list[tuple[int, int]], world_size: int, align: int) -> int:
-    """``max(ceil(sum numel / m), max block)`` rounded up to ``align``; at least ``align``."""
+class ShardGrid(NamedTuple):
+    """The shard sizes that pass the structural necessary condition, as a searchable grid.
+
+    A tensor of ``numel >= 2 * S`` always contains a whole shard ``[k * S, (k + 1) * S]`` with at
+    least one of its two boundaries strictly inside, so both boundaries are block edges and its block
+    must divide ``S``. Sorting tensors by size, the tensors forced this way at ``S`` are a prefix that
+    shrinks as ``S`` grows, so the valid sizes are, segment by segment, the multiples of that
+    prefix's LCM (with ``align``).
+    """
+
+    numels: tuple[int, ...]  # non-empty tensors' numels, largest first
+    bases: tuple[int, ...]  # bases[j]: lcm(align, blocks of the j largest tensors)
+
+    @classmethod
+    def build(cls, items: list[tuple[int, int]], align: int) -> ShardGrid:
+        ranked = sorted(((e, g) for e, g in items if e), reverse=True)
+        bases = [align]
+        for _, g in ranked:
+            bases.append(math.lcm(bases[-1], g))
+        return cls(tuple(e for e, _ in ranked), tuple(bases))
+
+    def next_valid(self, start: int) -> int:
+        """The smallest valid shard size ``>= start``: a multiple of ``align`` and of every forced block."""
+        s = _ceil_to(max(start, 1), self.bases[0])
+        while True:
+            j = _count_at_least(self.numels, 2 * s)  # the forced prefix at s
+            cand = _ceil_to(s, self.bases[j])
+            if j == 0:
+                return cand
+            leave = self.numels[j - 1] // 2 + 1  # from here on the smallest forced tensor is free
+            if cand < leave:  # within [s, leave) the forced set is exactly this prefix
+                return cand
+            s = _ceil_to(leave, self.bases[0])
+
+
+    def take(self, start: int, limit: int, count: int) -> list[int]:
+        """Up to ``count`` valid sizes in ``[start, limit]``, smallest first."""
+        sizes: list[int] = []
+        s = self.next_valid(start)
+        while s <= limit and len(sizes) < count:
+            sizes.append(s)
+            s = self.next_valid(s + 1)
+        return sizes
+
+
+def _count_at_least(desc: tuple[int, ...], value: int) -> int:
+    """How many entries of the descending tuple ``desc`` are ``>= value`` (binary search)."""
+    lo, hi = 0, len(desc)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if desc[mid] >= value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def basic_lower_bound(items: list[tuple[int, int]], world_size: int, align: int) -> int:
+    """``max(ceil(sum numel / m), max block)`` rounded up to ``align``; at least ``align``.
+
+    Every element must fit in ``m`` shards, and every block lies inside one shard.
+    """
     used = sum(e for e, _ in items)
     biggest = max((g for e, g in items if e), default=1)
     return max(_ceil_to(-(-used // world_size), align), _ceil_to(biggest, align), align)
+
+
+def shard_size_lower_bound(items: list[tuple[int, int]], world_size: int, align: int) -> int:
+    """A lower bound on the shard size: the first size on the ``ShardGrid`` at or above the basic bound."""
+    return ShardGrid.build(items, align).next_valid(basic_lower_bound(items, world_size, align))
 
 
 def _check_layout(layout: Layout) -> None:

@@ -4,122 +4,136 @@ Problem (veScale-FSDP, Section 5): choose a shard size S and, for every tensor, 
 of ``m * S`` elements so that tensors do not overlap, every shard boundary ``k * S`` strictly inside a
 tensor lies on one of its block edges, offsets and S are multiples of ``align``, and S is minimal.
 
-Heuristic (the paper's, in small composable stages):
-1. ``orderings``: a few tensor orders (given, by block size, by size).
-2. ``candidate_bases``: a tensor that contains a whole shard forces S to a multiple of its block, so
-   S is searched over multiples of the LCM prefixes of the sorted block sizes (and ``align``).
-3. ``search_shard_size``: binary search over those multiples, then a short scan below the result
-   because feasibility is not monotone in S.
-4. ``place_in_order``: greedy earliest-start placement, exact for a fixed order (an earlier end
-   never hurts the tensors after it).
+The search, in small composable stages (docs/planner.md explains the choices):
+1. ``ShardGrid`` (in ``_layout``): only shard sizes that pass the structural necessary condition
+   (every tensor of at least two shards has its block dividing S) are ever tried, starting at the
+   lower bound, so no probe is wasted on a size no packing can meet.
+2. ``pack``: the packers tried at one S. ``place_by_class`` is list scheduling over classes of
+   identical ``(numel, block)`` tensors: at each step it places the class whose earliest start
+   wastes least (rigid tensors first on ties), so flexible and small tensors fill the gaps that rigid
+   ones leave. ``place_in_order`` is the paper's greedy earliest-start placement for a fixed order
+   (exact for that order: an earlier end never hurts the tensors after it), run for the paper's
+   orders (given, by block, by size); the given order is the equal-shard first-fit baseline.
+3. ``search_shard_size``: scan the grid upward from the lower bound; past a few sizes, binary search
+   (feasibility is only roughly monotone in S), then rescan the grid below the answer with the
+   baseline's greedy so the result is never worse than ``first_fit_shard_size``.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
+from ragged._baselines import megatron, megatron_offsets
 from ragged._errors import PlanningError
+from ragged._exact import exact_plan
 from ragged._granularity import Granularity
-from ragged._layout import Layout, TensorSlot, TensorSpec, _ceil_to, shard_size_lower_bound
+from ragged._layout import Layout, ShardGrid, TensorSlot, TensorSpec, basic_lower_bound
+from ragged._packing import (
+    Classes,
+    Item,
+    fits_in_order,
+    item_classes,
+    orderings,
+    place_by_class,
+    place_in_order,
+    upper_shard_size,
+)
 
-Item = tuple[int, int]  # (numel, block)
-
-_SCAN_BELOW = 16  # candidates re-checked below the binary search's answer
-
-
-def earliest_start(cur: int, numel: int, block: int, shard: int, align: int) -> int | None:
-    """The smallest aligned offset ``>= cur`` where a tensor fits with no block cut, or None.
-
-    Within the shard window holding the start, the tensor either ends before the window's end
-    boundary ``b``, or crosses ``b`` at a block edge (offset congruent to ``b`` modulo
-    ``lcm(block, align)``); crossing a second boundary needs ``shard % block == 0``. A window
-    entered at its start is a translate of every later one, so two windows decide it.
-    """
-    start = _ceil_to(cur, align)
-    if numel == 0:
-        return start
-    step = math.lcm(block, align)
-    for _ in range(2):
-        window_end = (start // shard + 1) * shard
-        if start + numel <= window_end:
-            return start
-        p = window_end - ((window_end - start) // step) * step  # smallest p >= start, p = b mod step
-        if p < window_end and (p + numel <= window_end + shard or shard % block == 0):
-            return p
-        start = window_end
-    return None
+_SCAN = 24  # grid sizes tried upward from the lower bound with every packer before binary search
+_SCHEDULES = ((True, False), (False, False), (True, True))  # place_by_class's (tolerant, rigid_first)
+_EXACT_TENSORS = 6  # units this small are also solved exactly ...
+_EXACT_SIZES = 4096  # ... unless more grid sizes than this lie between the bound and the heuristic
 
 
-def place_in_order(items: Sequence[Item], order: Sequence[int], shard: int, world_size: int,
-                   align: int) -> list[int] | None:
-    """Greedy earliest-start offsets for ``items`` taken in ``order``, or None if they overflow."""
-    capacity = shard * world_size
-    offsets = [0] * len(items)
-    cur = 0
-    for i in order:
-        numel, block = items[i]
-        p = earliest_start(cur, numel, block, shard, align)
-        if p is None or p + numel > capacity:
-            return None
-        offsets[i] = p
-        cur = p + numel
+def pack(items: Sequence[Item], classes: Classes, orders: Sequence[Sequence[int]], shard: int,
+         world_size: int, align: int) -> list[int] | None:
+    """Offsets from the first packer that fits at ``shard``: list scheduling, then the fixed orders."""
+    offsets = None
+    for tolerant, rigid_first in _SCHEDULES:
+        if offsets is None:
+            offsets = place_by_class(items, classes, shard, world_size, align, tolerant, rigid_first)
+    for order in orders:
+        if offsets is not None:
+            break
+        offsets = place_in_order(items, order, shard, world_size, align)
     return offsets
 
 
-def orderings(items: Sequence[Item]) -> list[list[int]]:
-    """The orders tried: as given, by block size (largest first), by size (largest first)."""
-    given = list(range(len(items)))
-    by_block = sorted(given, key=lambda i: (-items[i][1], -items[i][0], i))
-    by_size = sorted(given, key=lambda i: (-items[i][0], -items[i][1], i))
-    unique = []
-    for order in (given, by_block, by_size):
-        if order not in unique:
-            unique.append(order)
-    return unique
+def first_fit_shard_size(items: Sequence[Item], world_size: int, align: int, *, start: int = 0,
+                         limit: int | None = None) -> tuple[int, list[int]] | None:
+    """The equal-shard first-fit baseline: the smallest valid S where the given order fits greedily.
+
+    Megatron-FSDP style: tensors in model order, each at its earliest start that keeps its blocks
+    whole, S grown from the lower bound (or ``start``) until they fit. Sizes off the ``ShardGrid``
+    are skipped (no packing can meet them) and sizes are checked in vectorized batches. Returns None
+    if no S ``<= limit`` fits.
+    """
+    grid = ShardGrid.build(list(items), align)
+    order = range(len(items))
+    top = upper_shard_size(items, align) if limit is None else limit
+    start = max(start, basic_lower_bound(list(items), world_size, align))
+    batch = 64
+    while sizes := grid.take(start, top, batch):
+        hits = np.flatnonzero(fits_in_order(items, order, np.array(sizes), world_size, align))
+        if hits.size:
+            found = sizes[int(hits[0])]
+            return found, place_in_order(items, order, found, world_size, align)
+        start, batch = sizes[-1] + 1, min(4 * batch, 4096)
+    return None
 
 
-def candidate_bases(items: Sequence[Item], align: int) -> list[int]:
-    """``align`` and the LCM prefixes of the sorted distinct block sizes (each times ``align``)."""
-    bases = [align]
-    acc = align
-    for block in sorted({g for e, g in items if e}):
-        acc = math.lcm(acc, block)
-        if acc not in bases:
-            bases.append(acc)
-    return bases
+def search_shard_size(items: Sequence[Item], world_size: int, align: int) -> tuple[int, list[int]]:
+    """The smallest shard size the packers reach, with its offsets.
 
-
-def search_shard_size(items: Sequence[Item], order: Sequence[int], base: int, world_size: int,
-                      align: int, upper: int) -> tuple[int, list[int]] | None:
-    """Smallest feasible multiple of ``base`` in ``[lower bound, upper]`` found for ``order``."""
-    lo = -(-shard_size_lower_bound(list(items), world_size, align) // base)
-    hi = upper // base
-    if lo > hi:
-        return None
-    best = None
-    top = place_in_order(items, order, hi * base, world_size, align)
-    if top is None:
-        return None
-    best = (hi, top)
-    while lo < hi:  # binary search for the smallest multiple that the greedy accepts
-        mid = (lo + hi) // 2
-        offsets = place_in_order(items, order, mid * base, world_size, align)
-        if offsets is None:
-            lo = mid + 1
-        else:
-            hi = mid
-            best = (mid, offsets)
-    k = best[0]
-    floor = -(-shard_size_lower_bound(list(items), world_size, align) // base)
-    for cand in range(max(floor, k - _SCAN_BELOW), k):  # feasibility is not monotone in S
-        offsets = place_in_order(items, order, cand * base, world_size, align)
+    Scans the grid upward from the lower bound; after ``_SCAN`` misses it binary-searches the grid
+    up to the always-feasible ``upper_shard_size`` and then rescans the skipped sizes below the
+    answer with the given-order greedy, so the result is never above ``first_fit_shard_size``.
+    """
+    grid = ShardGrid.build(list(items), align)
+    classes = item_classes(items)
+    orders = orderings(items)
+    top = upper_shard_size(items, align)
+    scan = grid.take(basic_lower_bound(list(items), world_size, align), top, _SCAN)
+    for s in scan:
+        offsets = pack(items, classes, orders, s, world_size, align)
         if offsets is not None:
-            best = (cand, offsets)
-            break
-    return best[0] * base, best[1]
+            return s, offsets
+    lo, hi = scan[-1] + 1, top
+    best = (hi, place_in_order(items, range(len(items)), hi, world_size, align))
+    while lo < hi:  # over start points x; the probe is the grid size at or above x
+        mid = (lo + hi) // 2
+        probe = grid.next_valid(mid)
+        offsets = pack(items, classes, orders, probe, world_size, align) if probe < best[0] else None
+        if offsets is not None:
+            best = (probe, offsets)
+        if probe >= best[0]:
+            hi = mid
+        else:
+            lo = mid + 1
+    below = first_fit_shard_size(items, world_size, align, start=scan[-1] + 1, limit=best[0] - 1)
+    if below is not None:
+        best = below
+    assert best[1] is not None  # everything fits in the first shard of the upper bound
+    return best[0], best[1]
+
+
+def plan_items(specs: Sequence[TensorSpec], world_size: int, align: int) -> tuple[int, list[int]]:
+    """The best of the candidates: the heuristic search, the exact solver on small units, and the
+    Megatron-FSDP-style baseline (so ``plan`` never pads more than it)."""
+    items = [(s.numel, s.block) for s in specs]
+    shard, offsets = search_shard_size(items, world_size, align)
+    if sum(1 for e, _ in items if e) <= _EXACT_TENSORS:
+        found = exact_plan(items, world_size, align, limit=shard - 1, max_sizes=_EXACT_SIZES)
+        if found is not None:
+            shard, offsets = found
+    megatron_shard = megatron(specs, world_size, align).shard_size
+    if megatron_shard < shard:
+        shard, offsets = megatron_shard, megatron_offsets(specs, align)[0]
+    return shard, offsets
 
 
 def _as_spec(t: Any, default: Granularity) -> TensorSpec:
@@ -163,20 +177,7 @@ def plan(tensors: Iterable[TensorSpec | tuple | dict], world_size: int, *, align
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if names.count(n) > 1})
         raise PlanningError(f"unit {name!r}: duplicate tensor names {dupes}")
-    items = [(s.numel, s.block) for s in specs]
-    # Everything fits in one shard: a safe upper bound for every base.
-    upper = sum(_ceil_to(e, align) for e, _ in items) or align
-    best: tuple[int, list[int]] | None = None
-    for base in candidate_bases(items, align):
-        cap = _ceil_to(upper, base)
-        for order in orderings(items):
-            limit = cap if best is None else min(cap, best[0])
-            found = search_shard_size(items, order, base, world_size, align, limit)
-            if found is not None and (best is None or found[0] < best[0]):
-                best = found
-    if best is None:  # unreachable: the one-shard upper bound is always feasible
-        raise PlanningError(f"unit {name!r}: no feasible shard size found")
-    shard, offsets = best
+    shard, offsets = plan_items(specs, world_size, align)
     slots = tuple(TensorSlot(s.name, s.shape, s.block, off) for s, off in zip(specs, offsets))
     return Layout(world_size, shard, slots, align=align, name=name)
 
