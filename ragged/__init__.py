@@ -21,7 +21,7 @@ from ragged._redistribute import (
     transfers,
 )
 from ragged._shapes_file import UnitSpecs, model_units, parse_shapes, read_shapes_file
-from ragged._sweep import SweepRow, padding_sweep, time_whole_model, write_sweep
+from ragged._sweep import SweepRow, padding_sweep, run_sweep
 
 __all__ = [
     "Advice",
@@ -35,8 +35,7 @@ __all__ = [
     "read_shapes_file",
     "SweepRow",
     "padding_sweep",
-    "time_whole_model",
-    "write_sweep",
+    "run_sweep",
     "LLAMA_TINY",
     "Granularity",
     "GranularityError",

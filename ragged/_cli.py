@@ -19,17 +19,7 @@ from ragged._errors import RaggedError
 from ragged._granularity import Granularity
 from ragged._presets import model_names
 from ragged._shapes_file import UnitSpecs, model_units, read_shapes_file
-from ragged._sweep import (
-    GRANULARITIES,
-    MODELS,
-    TARGET_MODELS,
-    WORLD_SIZES,
-    UnitComparison,
-    compare_unit,
-    padding_sweep,
-    time_whole_model,
-    write_sweep,
-)
+from ragged._sweep import GRANULARITIES, MODELS, WORLD_SIZES, UnitComparison, compare_unit, run_sweep
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,10 +134,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
     sizes = [_int_item(x, "--world-sizes") for x in _list(args.world_sizes, "--world-sizes")]
     grans = [str(Granularity.parse(g)) for g in _list(args.granularities, "--granularities")]
     _positive("--itemsize", args.itemsize)
-    rows = padding_sweep(models, sizes, grans, itemsize=args.itemsize)
-    timings = {(m, max(sizes), g): time_whole_model(m, max(sizes), g, itemsize=args.itemsize)
-               for m in models if m in TARGET_MODELS for g in grans if g in ("rows:1", "rows:16")}
-    paths = write_sweep(rows, args.out, timings)
+    rows, paths = run_sweep(models, sizes, grans, args.out, itemsize=args.itemsize)
     table = _table("padding sweep (ours vs the best baseline that keeps blocks whole)",
                    ["model", "granularity", "m", "ours", "best whole", "units worse", "plan ms"])
     for r in rows:

@@ -311,3 +311,21 @@ def write_sweep(rows: Sequence[SweepRow], out_dir: str | Path,
     md = out / "planner_sweep.md"
     md.write_text(summary(rows, timings or {}))
     return [*paths, md]
+
+
+def run_sweep(models: Sequence[str] = MODELS, world_sizes: Sequence[int] = WORLD_SIZES,
+              granularities: Sequence[str] = GRANULARITIES, out_dir: str | Path = "experiments/results", *,
+              itemsize: int = 4) -> tuple[list[SweepRow], list[Path]]:
+    """``padding_sweep`` plus the whole-model planning times, written by ``write_sweep``.
+
+    Times every model of Figure 11 (``TARGET_MODELS``) in the sweep at its largest world size, at
+    rows:1 and rows:16 where swept.
+
+    Returns:
+        The rows and the paths written (CSV, PNGs, markdown summary).
+    """
+    rows = padding_sweep(models, world_sizes, granularities, itemsize=itemsize)
+    top = max(world_sizes)
+    timings = {(m, top, g): time_whole_model(m, top, g, itemsize=itemsize)
+               for m in models if m in TARGET_MODELS for g in granularities if g in ("rows:1", "rows:16")}
+    return rows, write_sweep(rows, out_dir, timings)
