@@ -6,6 +6,7 @@ plans, model shape presets and the baselines they are compared with.
 
 from ragged._advise import Advice, HsdpOption, advise
 from ragged._baselines import BaselineLayout, baseline_layouts
+from ragged._checkpoint import Checkpoint, CheckpointError, StoredTensor, load_checkpoint, save_checkpoint
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
@@ -24,6 +25,11 @@ from ragged._shapes_file import UnitSpecs, model_units, parse_shapes, read_shape
 from ragged._sweep import SweepRow, padding_sweep, run_sweep
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "StoredTensor",
+    "load_checkpoint",
+    "save_checkpoint",
     "Advice",
     "HsdpOption",
     "advise",
