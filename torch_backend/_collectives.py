@@ -1,0 +1,97 @@
+"""Stateless whole-buffer collectives: one all-gather, one reduce-scatter, one all-reduce per call.
+
+The DBuffer's local shard is the all-gather input and the reduce-scatter output as it is, so nothing here
+packs or unpacks: each function is one ``torch.distributed`` call on a flat buffer (compare FSDP2's
+copy-in / copy-out around the same calls). Every call is issued asynchronously and returns a
+``Pending``; ``Pending.wait()`` finishes it or raises a ``CollectiveError`` that names the collective,
+the unit and the rank, so a dead or failing peer never surfaces as an anonymous gloo/NCCL error.
+
+On CUDA the caller issues inside ``side_stream(s)``: the collective runs after the current stream's
+work, and ``wait()`` makes the (then) current stream wait on an event recorded after it: explicit
+dependencies, no ``record_stream``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from torch_backend._debug import record_collective
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names it, its unit and the rank."""
+
+
+class Pending:
+    """An issued collective. ``wait()`` finishes it (once) or raises ``CollectiveError``."""
+
+    def __init__(self, work: dist.Work | None, what: str, event: torch.cuda.Event | None = None) -> None:
+        self._work = work
+        self._what = what
+        self._event = event
+
+    def wait(self) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait()
+            except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError subclasses
+                raise CollectiveError(f"{self._what} failed: {e}") from e
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._event = None
+
+
+@contextlib.contextmanager
+def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run the block on ``stream`` after everything issued so far on the current stream (CPU: as is).
+
+    Buffers allocated inside belong to ``stream``'s pool; since every later entry waits for the current
+    stream first, memory freed after use on the current stream is only reused once that use is done.
+    """
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _issue(kind: str, unit: str, group: dist.ProcessGroup, moved: torch.Tensor,
+           call: Callable[[], dist.Work]) -> Pending:
+    """Issue ``call`` now; on CUDA order the current stream after it and hand back an event instead."""
+    what = (f"{kind} of unit {unit!r} ({moved.numel()} x {moved.dtype} over {dist.get_world_size(group)} "
+            f"ranks) on rank {dist.get_rank()}")
+    record_collective(kind, unit, moved)
+    try:
+        work = call()
+        if not moved.is_cuda:
+            return Pending(work, what)
+        work.wait()  # NCCL: a stream-side wait, the CPU goes on
+        return Pending(None, what, torch.cuda.current_stream().record_event())
+    except Exception as e:
+        raise CollectiveError(f"{what} failed: {e}") from e
+
+
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, unit: str) -> Pending:
+    """Gather every rank's ``shard`` into ``full`` (``world * shard.numel()`` elements, rank-major)."""
+    return _issue("all_gather", unit, group, full,
+                  lambda: dist.all_gather_into_tensor(full, shard, group=group, async_op=True))
+
+
+def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, *,
+                   unit: str) -> Pending:
+    """Sum ``full`` over ranks and write this rank's slice into ``shard``."""
+    return _issue("reduce_scatter", unit, group, full,
+                  lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=group,
+                                                     async_op=True))
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, unit: str) -> Pending:
+    """Sum ``tensor`` in place over ``group`` (HSDP: across replicas, after the reduce-scatter)."""
+    return _issue("all_reduce", unit, group, tensor,
+                  lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))

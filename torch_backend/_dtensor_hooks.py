@@ -1,0 +1,405 @@
+"""Every touch of torch's private DTensor machinery, in one place (torch 2.11 to 2.13).
+
+torch accepts a custom ``Placement`` only in ``DTensor.from_local`` / ``to_local``. Everything else a
+RaggedShard DTensor needs goes through the hooks below. Each wraps one torch function, hands RaggedShard
+cases to this package (``_redistribute`` executes the core's plans, ``_ops`` holds the sharding rules)
+and calls the original function unchanged for every other DTensor. ``register()`` installs them once
+(idempotent); ``torch_backend`` calls it at import.
+
+Hooks (the torch function each wraps):
+  1. ``torch.distributed.tensor._redistribute.redistribute_local_tensor`` (also the name imported into
+     ``torch.distributed.tensor._dispatch``): used by ``DTensor.redistribute``/``full_tensor``, their
+     autograd backward, and the op dispatcher's argument resharding.
+  2. ``torch.distributed.tensor._api.distribute_tensor`` (and ``torch.distributed.tensor.distribute_tensor``).
+  3. ``torch.distributed.tensor._api.compute_global_tensor_info``: global shape for ``from_local``
+     without ``shape`` (a RaggedShard infers the flat 1-D global shape).
+  4. ``torch.distributed.tensor._api._ToTorchTensor.backward``: ``to_local``'s backward rebuilds the
+     gradient with the forward spec (torch would recompute a stride from the flat local).
+  5. ``ShardingPropagator.propagate_op_sharding_non_cached`` (class, and the LRU cache of the live
+     instance): sharding rules for ops on RaggedShard operands, clear errors for the rest.
+  6. ``OpDispatcher._custom_op_handlers`` for reductions whose local computation differs from the
+     op on the flat local (``mean``, ``sum.dim_IntList``, ``linalg_vector_norm`` with ``dim``).
+  7. ``DTensor.__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``:
+     torch.distributed.checkpoint metadata (see ``_dcp``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed.tensor as dtensor_pkg
+import torch.distributed.tensor._api as dt_api
+import torch.distributed.tensor._dispatch as dt_dispatch
+import torch.distributed.tensor._redistribute as dt_redistribute
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+from torch.distributed.tensor._ops._math_ops import _NormPartial
+from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropagator
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.utils import _pytree as pytree
+
+from torch_backend import _dcp, _ops
+from torch_backend import _redistribute as rd
+from torch_backend._placement import RaggedShard
+
+_SUPPORTED = ((2, 11), (2, 13))
+_ORIGINAL: dict[str, object] = {}
+
+
+def register() -> None:
+    """Install the hooks once; calling it again does nothing.
+
+    Raises:
+        RuntimeError: on a torch outside 2.11..2.13 whose internals no longer match.
+    """
+    if _ORIGINAL:
+        return
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    missing = [
+        n
+        for n, obj in (
+            ("redistribute_local_tensor", getattr(dt_redistribute, "redistribute_local_tensor", None)),
+            ("compute_global_tensor_info", getattr(dt_api, "compute_global_tensor_info", None)),
+            (
+                "propagate_op_sharding_non_cached",
+                getattr(ShardingPropagator, "propagate_op_sharding_non_cached", None),
+            ),
+            ("_custom_op_handlers", getattr(DTensor._op_dispatcher, "_custom_op_handlers", None)),
+        )
+        if obj is None
+    ]
+    if missing:
+        raise RuntimeError(
+            f"torch_backend supports torch {_SUPPORTED[0]}..{_SUPPORTED[1]}; torch {torch.__version__} "
+            f"lacks the DTensor internals {missing} that RaggedShard hooks into"
+        )
+    del version  # checked through the internals above, which is what matters
+    _ORIGINAL["redistribute_local_tensor"] = dt_redistribute.redistribute_local_tensor
+    dt_redistribute.redistribute_local_tensor = _redistribute_local_tensor
+    dt_dispatch.redistribute_local_tensor = _redistribute_local_tensor
+
+    _ORIGINAL["distribute_tensor"] = dt_api.distribute_tensor
+    dt_api.distribute_tensor = _distribute_tensor
+    dtensor_pkg.distribute_tensor = _distribute_tensor
+
+    _ORIGINAL["compute_global_tensor_info"] = dt_api.compute_global_tensor_info
+    dt_api.compute_global_tensor_info = _compute_global_tensor_info
+
+    _ORIGINAL["to_local_backward"] = dt_api._ToTorchTensor.backward
+    dt_api._ToTorchTensor.backward = staticmethod(_to_local_backward)
+
+    _ORIGINAL["propagate"] = ShardingPropagator.propagate_op_sharding_non_cached
+    ShardingPropagator.propagate_op_sharding_non_cached = _propagate_op_sharding_non_cached
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    # The live instance caches a bound method of the original; rebuild its cache on the hooked one.
+    propagator.propagate_op_sharding = LocalLRUCache(propagator.propagate_op_sharding_non_cached)
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _ops.REDUCTIONS_WITH_DIM:
+        _ORIGINAL[f"handler:{op}"] = handlers.get(op)
+        handlers[op] = _reduction_handler
+
+    for attr, hook in (
+        ("__create_write_items__", _create_write_items),
+        ("__create_chunk_list__", _create_chunk_list),
+        ("__get_tensor_shard__", _get_tensor_shard),
+    ):
+        _ORIGINAL[attr] = getattr(DTensor, attr)
+        setattr(DTensor, attr, hook)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared helpers over torch's private types.
+# ---------------------------------------------------------------------------------------------------
+
+
+def has_ragged(placements: Sequence[Placement]) -> bool:
+    return any(isinstance(p, RaggedShard) for p in placements)
+
+
+def boxes(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]):
+    """(this device's box shape, every box shape on the mesh) for the non-ragged placements.
+
+    Uses torch's own ``_compute_local_shape_and_global_offset``, which skips placements that are not
+    Shard, so a RaggedShard (and Replicate/Partial) leave the box whole on their mesh dims.
+    """
+    shape = tuple(shape)
+    mine = mesh.get_coordinate()
+    everything = sorted(
+        {
+            tuple(_compute_local_shape_and_global_offset(shape, mesh.shape, list(c), placements)[0])
+            for c in itertools.product(*(range(n) for n in mesh.shape))
+        }
+    )
+    own = (
+        tuple(_compute_local_shape_and_global_offset(shape, mesh.shape, mine, placements)[0])
+        if mine
+        else shape
+    )
+    return own, everything
+
+
+def box_offset(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], coordinate):
+    """(box shape, box global offset) of the device at ``coordinate``."""
+    local, offset = _compute_local_shape_and_global_offset(
+        tuple(shape), mesh.shape, list(coordinate), placements
+    )
+    return tuple(local), tuple(offset)
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def make_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    requires_grad: bool = False,
+) -> DTensor:
+    """A DTensor from a local tensor and its global shape, without autograd history (a leaf)."""
+    spec = DTensorSpec(
+        mesh,
+        tuple(placements),
+        tensor_meta=TensorMeta(torch.Size(shape), contiguous_stride(shape), local.dtype),
+    )
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def _native_redistribute(local: torch.Tensor, spec: DTensorSpec):
+    def native(x: torch.Tensor, src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> torch.Tensor:
+        return _ORIGINAL["redistribute_local_tensor"](
+            x,
+            DTensorSpec(spec.mesh, src, tensor_meta=spec.tensor_meta),
+            DTensorSpec(spec.mesh, dst, tensor_meta=spec.tensor_meta),
+        )
+
+    return native
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. torch.distributed.tensor._redistribute.redistribute_local_tensor
+# ---------------------------------------------------------------------------------------------------
+
+
+def _redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
+    if not (has_ragged(current_spec.placements) or has_ragged(target_spec.placements)):
+        return _ORIGINAL["redistribute_local_tensor"](
+            local_tensor, current_spec, target_spec, *args, **kwargs
+        )
+    if current_spec.mesh != target_spec.mesh:
+        raise NotImplementedError("RaggedShard: redistribute across different device meshes")
+    mesh, shape = current_spec.mesh, tuple(current_spec.shape)
+    return rd.redistribute(
+        local_tensor,
+        mesh,
+        shape,
+        current_spec.placements,
+        target_spec.placements,
+        native=_native_redistribute(local_tensor, current_spec),
+        boxes=lambda placements: boxes(shape, mesh, placements),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. torch.distributed.tensor._api.distribute_tensor
+# ---------------------------------------------------------------------------------------------------
+
+
+def _distribute_tensor(tensor, device_mesh=None, placements=None, **kwargs):
+    if placements is None or not has_ragged(placements):
+        return _ORIGINAL["distribute_tensor"](tensor, device_mesh, placements, **kwargs)
+    mesh = device_mesh or dt_api._mesh_resources.get_current_mesh()
+    placements = tuple(placements)
+    shape = tuple(tensor.shape)
+    own, every = boxes(shape, mesh, placements)
+    rd.validate(placements, mesh, shape, every)
+    m = rd.ragged_mesh_dim(placements)
+    # torch distributes the standard placements (a broadcast from src_data_rank keeps ranks consistent);
+    # the RaggedShard is then a local slice of the box.
+    standard = tuple(Replicate() if i == m else p for i, p in enumerate(placements))
+    boxed = _ORIGINAL["distribute_tensor"](tensor.detach(), mesh, standard, **kwargs)
+    a, b = placements[m].core.ranges(own)[mesh.get_local_rank(m)]
+    local = boxed._local_tensor.reshape(-1)[a:b].clone()
+    return make_dtensor(
+        local.requires_grad_(tensor.requires_grad), mesh, placements, shape, tensor.requires_grad
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. torch.distributed.tensor._api.compute_global_tensor_info (from_local without shape)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _compute_global_tensor_info(tensor, mesh, placements):
+    if not has_ragged(placements):
+        return _ORIGINAL["compute_global_tensor_info"](tensor, mesh, placements)
+    numel = rd.infer_global_numel(tensor, mesh, tuple(placements))
+    return [numel], [1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. torch.distributed.tensor._api._ToTorchTensor.backward (to_local's backward)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _to_local_backward(ctx, grad_output):
+    spec = ctx.dtensor_spec
+    if grad_output is None or not has_ragged(spec.placements):
+        return _ORIGINAL["to_local_backward"](ctx, grad_output)
+    placements = ctx.grad_placements or spec.placements
+    grad = DTensor.from_local(grad_output, spec.mesh, placements, shape=spec.shape, stride=spec.stride)
+    return grad, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. ShardingPropagator.propagate_op_sharding_non_cached
+# ---------------------------------------------------------------------------------------------------
+
+
+def _propagate_op_sharding_non_cached(self, op_schema: OpSchema) -> OutputSharding:
+    leaves = pytree.tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
+    specs = [x for x in leaves if isinstance(x, DTensorSpec)]
+    if not any(has_ragged(s.placements) for s in specs):
+        return _ORIGINAL["propagate"](self, op_schema)
+    out_meta = self._propagate_tensor_meta_non_cached(op_schema)
+    op = op_schema.op
+
+    def operand(x):
+        return _ops.Operand(tuple(x.shape), tuple(x.placements)) if isinstance(x, DTensorSpec) else x
+
+    rule = _ops.rule(
+        op,
+        pytree.tree_map(operand, op_schema.args_schema, is_leaf=lambda x: isinstance(x, DTensorSpec)),
+        pytree.tree_map(operand, op_schema.kwargs_schema, is_leaf=lambda x: isinstance(x, DTensorSpec)),
+        _out_shapes(out_meta),
+    )
+    mesh = specs[0].mesh
+
+    def spec_for(placements, meta):
+        return (
+            None
+            if placements is None or meta is None
+            else DTensorSpec(
+                mesh,
+                tuple(_torch_placement(p) for p in placements),
+                tensor_meta=meta,
+            )
+        )
+
+    if out_meta is not None and not isinstance(out_meta, TensorMeta):
+        output_spec = tuple(spec_for(p, meta) for p, meta in zip(rule.outputs, out_meta))
+        if isinstance(out_meta, list):
+            output_spec = list(output_spec)
+    else:
+        output_spec = spec_for(rule.outputs[0] if rule.outputs else None, out_meta)
+    if not rule.reshard:
+        return OutputSharding(output_spec)
+    flat, tree = pytree.tree_flatten(op_schema.args_schema)
+    new_flat = []
+    for i, x in enumerate(flat):
+        target = rule.reshard.get(i)
+        new_flat.append(x if target is None else DTensorSpec(mesh, target, tensor_meta=x.tensor_meta))
+    new_schema = OpSchema(op, pytree.tree_unflatten(new_flat, tree), op_schema.kwargs_schema)
+    return OutputSharding(output_spec, redistribute_schema=new_schema, needs_redistribute=True)
+
+
+def _out_shapes(out_meta):
+    if out_meta is None:
+        return None
+    if not isinstance(out_meta, TensorMeta):
+        return [None if m is None else tuple(m.shape) for m in out_meta]
+    return tuple(out_meta.shape)
+
+
+def _torch_placement(p):
+    """Turn the rule's neutral partial markers into torch placements."""
+    if isinstance(p, _ops.PartialNorm):
+        if p.ord == math.inf:
+            return Partial("max")
+        if p.ord == -math.inf:
+            return Partial("min")
+        if p.ord == 0:
+            return Partial("sum")
+        return _NormPartial(p.ord)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. OpDispatcher._custom_op_handlers for reductions with dims
+# ---------------------------------------------------------------------------------------------------
+
+
+def _reduction_handler(op, args, kwargs):
+    x = args[0]
+    if not (isinstance(x, DTensor) and has_ragged(x.placements)):
+        original = _ORIGINAL.get(f"handler:{op}")
+        return original(op, args, kwargs) if original else _default_dispatch(op, args, kwargs)
+    rank = x.device_mesh.get_local_rank(rd.ragged_mesh_dim(x.placements))
+    local, placements, shape = _ops.reduce(
+        op,
+        x._local_tensor,
+        tuple(x.shape),
+        x.placements,
+        rank,
+        args[1:],
+        kwargs,
+    )
+    return make_dtensor(local, x.device_mesh, tuple(_torch_placement(p) for p in placements), shape)
+
+
+def _default_dispatch(op, args, kwargs):
+    """torch's dispatch for a non-ragged call of an op we registered a handler for.
+
+    The C++ fast path sends every call of a handled op to its handler, so the handler re-runs the
+    Python slow path that ``OpDispatcher`` keeps for exactly this (unwrap, propagate, local compute,
+    wrap). Only the non-inplace, non-view reductions in ``_ops.REDUCTIONS_WITH_DIM`` come here.
+    """
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    local = dispatcher._dispatch_get_local_results_slow_path(op, args, op_info)
+    return dispatcher.wrap(local, op_info.output_sharding.output_spec)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7. DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__ (checkpoint)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _ragged_chunks(dt: DTensor) -> list[_dcp.Chunk]:
+    placements = dt.placements
+    m = rd.ragged_mesh_dim(placements)
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError(f"cannot checkpoint a DTensor with Partial placements {placements}")
+    box, offset = box_offset(dt.shape, dt.device_mesh, placements, dt.device_mesh.get_coordinate())
+    start, stop = placements[m].core.ranges(box)[dt.device_mesh.get_local_rank(m)]
+    return _dcp.chunks(box, offset, start, stop)
+
+
+def _create_write_items(self, fqn, object):
+    if not has_ragged(self.placements):
+        return _ORIGINAL["__create_write_items__"](self, fqn, object)
+    return _dcp.write_items(fqn, self._local_tensor, self.shape, _ragged_chunks(self))
+
+
+def _create_chunk_list(self):
+    if not has_ragged(self.placements):
+        return _ORIGINAL["__create_chunk_list__"](self)
+    return _dcp.chunk_list(_ragged_chunks(self))
+
+
+def _get_tensor_shard(self, index):
+    if not has_ragged(self.placements):
+        return _ORIGINAL["__get_tensor_shard__"](self, index)
+    return _dcp.find(self._local_tensor, _ragged_chunks(self), index, index.fqn)

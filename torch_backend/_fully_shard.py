@@ -1,0 +1,334 @@
+"""``fully_shard``: FSDP2's API over structure-aware layouts and zero-copy DBuffers.
+
+Imports flow one way: api, debug, collectives, dbuffer, unit, hooks, fully_shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import ragged
+from ragged import Granularity, Layout, TensorSpec
+from torch_backend._api import MixedPrecisionPolicy
+from torch_backend._collectives import all_reduce
+from torch_backend._hooks import FSDPState
+from torch_backend._unit import ParamRef, Unit
+
+GranularityArg = Callable[[str, torch.Tensor], Any] | Granularity | int | str | None
+
+
+class FSDPModule:
+    """The mixin ``fully_shard`` adds to a module's class: FSDP2's methods on the sharded module.
+
+    ``model.parameters()`` yields the sharded parameters (RaggedShard DTensors viewing the unit's local
+    shard) outside forward and backward; the optimizer steps them in place.
+    """
+
+    _fsdp_state: FSDPState
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's unit and register its unsharded parameters.
+
+        Args:
+            async_op: return a handle whose ``wait()`` finishes the all-gather instead of waiting.
+        """
+        unit = self._fsdp_state.unit
+        if unit is None:
+            return None
+        unit.unshard(async_op=async_op)
+        return UnshardHandle(unit) if async_op else None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded buffer and register the sharded parameters again."""
+        if self._fsdp_state.unit is not None:
+            self._fsdp_state.unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With False, backward keeps accumulating unsharded gradients and does not reduce them.
+
+        The next backward with True reduces everything accumulated since the last reduce (gradient
+        accumulation over micro-batches with one reduce-scatter per unit).
+        """
+        for state in _states(self, recurse):
+            if state.unit is not None:
+                state.unit.requires_grad_sync = requires_gradient_sync
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        """All-gather ``modules``' units (asynchronously) when this module's forward starts."""
+        self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        """All-gather ``modules``' units (asynchronously) when this module's backward starts."""
+        self._fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch")
+                                              for m in modules]
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_for_unshard()
+
+
+def _state_of(module: nn.Module, where: str) -> FSDPState:
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"{where}: {type(module).__name__} is not sharded; call fully_shard on it first")
+    return module._fsdp_state
+
+
+def _states(module: nn.Module, recurse: bool = True) -> list[FSDPState]:
+    """The distinct FSDP states of ``module`` (and of every module below it when ``recurse``)."""
+    seen: dict[int, FSDPState] = {}
+    for m in module.modules() if recurse else [module]:
+        if isinstance(m, FSDPModule):
+            seen.setdefault(id(m._fsdp_state), m._fsdp_state)
+    return list(seen.values())
+
+
+def _managed(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """``(name, owner, attr, param)`` for the parameters a new unit over ``modules`` would manage.
+
+    The order is ``named_parameters()``'s; parameters of submodules already sharded are left to their
+    own unit, and a parameter registered twice is taken once. Names are relative to each module, with
+    the module's index in front when several are given.
+    """
+    out: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for attr, p in m._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((prefix + attr, m, attr, p))
+        for child_name, child in m._modules.items():
+            if child is not None and not isinstance(child, FSDPModule):
+                visit(child, f"{prefix}{child_name}.")
+
+    for i, m in enumerate(modules):
+        visit(m, f"{i}." if len(modules) > 1 else "")
+    return out
+
+
+def _resolve_granularity(granularity: GranularityArg, name: str, param: torch.Tensor) -> Granularity:
+    if callable(granularity):
+        return Granularity.parse(granularity(name, param))
+    return ragged.granularity_for(tuple(param.shape), "rows:1" if granularity is None else granularity)
+
+
+def _as_list(module_or_modules: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    if isinstance(module_or_modules, nn.Module):
+        return [module_or_modules]
+    modules = list(module_or_modules)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fully_shard: expected an nn.Module or a non-empty list of them, got {modules!r}")
+    return modules
+
+
+def _fqns(root: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+
+
+def plan_module(module_or_modules: nn.Module | Sequence[nn.Module], world_size: int,
+                granularity: GranularityArg = None, *, root: nn.Module | None = None) -> Layout:
+    """Plan the unit ``fully_shard(module_or_modules)`` would build, without any process group.
+
+    Pure and deterministic: the tensors are the parameters the unit would manage, in
+    ``named_parameters()`` order, planned by ``ragged.plan`` with the buffer's itemsize; the JAX backend
+    plans the same specs, so both get the same Layout for the same model and granularity.
+
+    Args:
+        module_or_modules: one module or a list of modules planned as one unit.
+        world_size: devices on the sharding mesh dim.
+        granularity: None for FSDP2's expectation (whole rows of matrices, 1-D tensors element-wise),
+            one granularity for every matrix (e.g. ``"rows:32"``), or a function ``(name, param) ->``
+            granularity, called with the names that go into the Layout.
+        root: when given, tensors are named by their FQN under ``root`` and the Layout by the FQN of
+            the last module (``"output"`` for ``[model.norm, model.output]``); otherwise names are
+            relative to the module (prefixed by the list index for a list).
+
+    Returns:
+        The unit's Layout.
+
+    Raises:
+        TypeError: not a module or a list of modules. ValueError: a module not inside ``root``.
+        ragged.GranularityError / PlanningError: a granularity that does not divide its parameter.
+    """
+    modules = _as_list(module_or_modules)
+    params = _managed(modules)
+    names = [name for name, *_ in params]
+    unit_name = ""
+    if root is not None:
+        fqns = _fqns(root)
+        missing = [type(m).__name__ for m in modules if id(m) not in fqns]
+        if missing:
+            raise ValueError(f"plan_module: module(s) {missing} are not inside root {type(root).__name__}")
+        names = [_join(fqns[id(owner)], attr) for _, owner, attr, _ in params]
+        unit_name = fqns[id(modules[-1])]
+    specs = [TensorSpec(n, tuple(p.shape), _resolve_granularity(granularity, n, p))
+             for n, (_, _, _, p) in zip(names, params)]
+    itemsize = params[0][3].element_size() if params else 4
+    return ragged.plan(specs, world_size, itemsize=itemsize, name=unit_name)
+
+
+def _join(prefix: str, attr: str) -> str:
+    return f"{prefix}.{attr}" if prefix else attr
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard: no mesh given and torch.distributed is not initialised; call "
+                           "dist.init_process_group first or pass mesh=")
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> None:
+    """Reject bad input before any collective, with the same message on every rank."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard: mesh must be 1-D (shard) or 2-D (replicate, shard), got "
+                         f"{mesh.ndim}-D mesh {tuple(mesh.shape)}")
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard: {type(m).__name__} is already sharded; call fully_shard once per "
+                             "module")
+    for name, _, _, p in params:
+        if isinstance(p, DTensor):
+            raise ValueError(f"fully_shard: parameter {name!r} is already a DTensor ({p.placements}); "
+                             "fully_shard takes plain parameters")
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"fully_shard: parameter {name!r} has dtype {p.dtype}; only floating "
+                             "parameters can be sharded")
+    dtypes = sorted({str(p.dtype) for *_, p in params})
+    if len(dtypes) > 1:
+        by_dtype = {d: [n for n, *_, p in params if str(p.dtype) == d][:3] for d in dtypes}
+        raise ValueError(f"fully_shard: one unit holds one dtype, but its parameters have {by_dtype}; "
+                         "cast the module or shard the parts separately")
+
+
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy | None = None,
+                granularity: GranularityArg = None) -> nn.Module | list[nn.Module]:
+    """Shard ``module``'s parameters over ``mesh`` as one unit with a planned, zero-copy flat buffer.
+
+    Mechanism: the unit's parameters are planned into one global buffer (``plan_module``) so that no
+    shard boundary cuts a block of ``granularity``; each rank keeps one contiguous shard of it, and every
+    sharded parameter is a ``RaggedShard`` DTensor viewing that shard. Before forward a pre-hook
+    all-gathers the shard into the unsharded buffer (one collective) whose views are the parameters;
+    after forward they are freed when ``reshard_after_forward``. In backward, gradients accumulate into
+    an unsharded gradient buffer; one reduce-scatter writes the local gradient shard, which the sharded
+    parameters' ``.grad`` view (HSDP: then one all-reduce across replicas). The next unit is prefetched.
+    Call it bottom-up (each block, then the root), as with FSDP2.
+
+    Args:
+        module: a module, or a list of modules sharded as one unit (e.g. ``[model.norm, model.output]``).
+        mesh: a 1-D mesh or a 2-D ``(replicate, shard)`` mesh for HSDP; default: every rank of the default
+            process group on its device type.
+        reshard_after_forward: free the unsharded parameters after forward (all-gather again in backward).
+        mp_policy: ``MixedPrecisionPolicy`` (param and reduce dtypes); default: none.
+        granularity: see ``plan_module`` (default: whole rows of matrices, 1-D element-wise).
+
+    Returns:
+        ``module``, its class extended with ``FSDPModule`` (each module of a list).
+
+    Raises:
+        ValueError / TypeError: bad module, mesh or parameters, raised on every rank before communicating.
+
+    Example:
+        >>> for block in model.layers:
+        ...     fully_shard(block, mesh=mesh)
+        >>> fully_shard([model.norm, model.output], mesh=mesh)
+        >>> fully_shard(model, mesh=mesh)
+    """
+    modules = _as_list(module)
+    mesh = mesh or _default_mesh()
+    params = _managed(modules)
+    _check(modules, params, mesh)
+    unit = None
+    if params:
+        layout = plan_module(modules, mesh.size(mesh.ndim - 1), granularity)
+        unit = Unit(layout.name, layout, [ParamRef(n, owner, attr) for n, owner, attr, _ in params],
+                    [p for *_, p in params], mesh, mp_policy or MixedPrecisionPolicy())
+    state = FSDPState(tuple(modules), unit, reshard_after_forward)
+    for m in modules:
+        cls = m.__class__
+        m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        m._fsdp_state = state
+    for top in modules:
+        _name_units(top)
+    return module
+
+
+def _name_units(top: nn.Module) -> None:
+    """Rename every unit under ``top`` by FQNs under ``top`` (offsets untouched; outer calls win)."""
+    fqns = _fqns(top)
+    for state in _states(top):
+        unit = state.unit
+        if unit is None or any(id(m) not in fqns for m in state.modules):
+            continue
+        names = {ref.name: _join(fqns[id(ref.module)], ref.attr) for ref in unit.refs}
+        unit.rename(fqns[id(state.modules[-1])], names)
+
+
+def units(module: nn.Module) -> list[Unit]:
+    """The units of every sharded module under ``module`` (itself included), in module order."""
+    return [s.unit for s in _states(module) if s.unit is not None]
+
+
+@contextlib.contextmanager
+def unsharded(module: nn.Module) -> Iterator[None]:
+    """Unshard every unit under ``module``; what the block writes into the parameters is kept.
+
+    Used for meta-device initialisation: ``with unsharded(model): model.init_weights(seed)`` runs the
+    model's own initialisation on full tensors (the same on every rank, so the same values as a
+    single-process run with the same seed) and each rank keeps its slice when the block exits.
+    """
+    states = _states(module)
+    for s in states:
+        if s.unit is not None:
+            s.unit.unshard()
+    try:
+        yield
+    finally:
+        for s in states:
+            if s.unit is not None:
+                s.unit.reshard()
+
+
+@torch.no_grad()
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of every unit under ``module`` by their total norm, over the gradient buffers.
+
+    One norm kernel per unit (over its gradient shard; padding is zero), one all-reduce for the whole
+    model over the sharding group, one in-place scale per unit. Same result as
+    ``torch.nn.utils.clip_grad_norm_`` on the unsharded gradients.
+
+    Returns:
+        The total norm (a scalar tensor, the same on every rank).
+
+    Raises:
+        ValueError: a non-positive or infinite ``norm_type``.
+    """
+    if not (0 < norm_type < math.inf):
+        raise ValueError(f"clip_grad_norm_: norm_type={norm_type} must be a positive finite number")
+    live = [u for u in units(module) if any(p.grad is not None for p in u.sharded)]
+    if not live:
+        return torch.zeros(())
+    total = torch.stack([u.main_grad.norm(norm_type) ** norm_type for u in live]).sum()
+    all_reduce(total, live[0].shard_group, unit="clip_grad_norm_").wait()
+    total = total ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for u in live:
+        u.main_grad.scale_(coef)
+    return total

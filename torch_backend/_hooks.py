@@ -1,0 +1,177 @@
+"""Forward and backward hooks that drive the units, and the root's per-step bookkeeping.
+
+Mechanism (FSDP2's): a forward pre-hook unshards the unit (one all-gather) and prefetches the next one;
+a forward hook reshards it (when ``reshard_after_forward``) and hooks the outputs so that the first
+gradient reaching them unshards the unit again before its backward and prefetches the previous unit.
+Gradients land in the unit's unsharded gradient buffer; when the last one lands (a post-accumulate-grad
+hook) the unit reshards and issues its reduce-scatter, and finishes the one issued before it, so at
+most two are in flight. The root (the outermost unit, found at the first forward) queues a callback at
+the end of backward that finishes every reduce and reshards whatever is still unsharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from torch_backend._unit import Unit
+
+
+class FSDPState:
+    """The hooks of one ``fully_shard`` call: its modules, its unit (None without parameters), prefetch."""
+
+    modules: tuple[nn.Module, ...]
+    unit: Unit | None
+    reshard_after_forward: bool
+    forward_prefetch: list[FSDPState] | None  # explicit targets; None: the next unit of the last step
+    backward_prefetch: list[FSDPState] | None  # explicit targets; None: the previous unit in forward order
+    root: RootContext | None  # set at the first forward of the root
+
+    def __init__(self, modules: tuple[nn.Module, ...], unit: Unit | None,
+                 reshard_after_forward: bool) -> None:
+        self.modules = modules
+        self.unit = unit
+        self.reshard_after_forward = reshard_after_forward
+        self.forward_prefetch = None
+        self.backward_prefetch = None
+        self.root = None
+        self._modules_left = 0  # modules of the group whose forward has not finished this pass
+        self._backward_started = False
+        if unit is not None:
+            unit.post_backward_callback = self.post_backward
+        for m in modules:
+            m.register_forward_pre_hook(self._pre_forward, prepend=True)
+            m.register_forward_hook(self._post_forward)
+
+    @property
+    def is_root(self) -> bool:
+        return self.root is not None and self.root.state is self
+
+    # ----- forward ---------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.root is None:
+            RootContext(self)
+        if self.is_root and self._modules_left == 0:
+            self.root.begin_forward()
+        if self._modules_left > 0:  # a later module of the same group: already unsharded
+            return
+        self._modules_left = len(self.modules)
+        if self.unit is not None:
+            self.unit.unshard()
+        if not self.root.in_backward:
+            self.root.forward_order.append(self)
+        targets = self.forward_prefetch
+        if targets is None:
+            targets = self.root.next_in(self.root.last_forward_order, self, +1)
+        for t in targets:
+            if t.unit is not None:
+                t.unit.unshard(async_op=True)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        self._modules_left -= 1
+        if self._modules_left == 0 and self.unit is not None and self.reshard_after_forward \
+                and not self.is_root:  # the root's backward starts at once: keep it unsharded
+            self.unit.reshard()
+        return output
+
+    # ----- backward --------------------------------------------------------------------------------
+    def _pre_backward(self, _: Any) -> None:
+        if self._backward_started:
+            return
+        self._backward_started = True
+        self.root.begin_backward()
+        if self.unit is not None:
+            self.unit.unshard()
+            self.unit.prepare_gradients()
+        targets = self.backward_prefetch
+        if targets is None:
+            targets = self.root.next_in(self.root.forward_order, self, -1)
+        for t in targets:
+            if t.unit is not None and not t._backward_started:
+                t.unit.unshard(async_op=True)
+
+    def post_backward(self) -> None:
+        """All of this unit's gradients landed: reshard and reduce, finish the reduce issued before."""
+        if self.unit is not None and self.unit.post_backward():
+            self.root.finish_reduces(keep=self.unit)
+
+
+class RootContext:
+    """Bookkeeping shared by every unit under the root: forward order, pending reduces, CUDA streams."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self.state = state
+        seen: dict[int, FSDPState] = {}
+        for top in state.modules:
+            for m in top.modules():
+                s = getattr(m, "_fsdp_state", None)
+                if s is not None:
+                    seen.setdefault(id(s), s)
+        self.states = list(seen.values())
+        self.forward_order: list[FSDPState] = []
+        self.last_forward_order: list[FSDPState] = []
+        self.in_backward = False
+        self._reducing: list[Unit] = []
+        device = next((s.unit.master.shard.device for s in self.states if s.unit is not None), None)
+        cuda = device is not None and device.type == "cuda"
+        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
+        for s in self.states:
+            s.root = self
+            if s.unit is not None:
+                s.unit.ag_stream, s.unit.rs_stream = streams
+
+    @staticmethod
+    def next_in(order: list[FSDPState], state: FSDPState, step: int) -> list[FSDPState]:
+        """The unit ``step`` places after ``state`` in ``order`` (empty at either end or if absent)."""
+        if state not in order:
+            return []
+        i = order.index(state) + step
+        return [order[i]] if 0 <= i < len(order) else []
+
+    def begin_forward(self) -> None:
+        if self.in_backward:  # a forward (e.g. recomputation) inside backward keeps the order
+            return
+        self.end_step()
+        if self.forward_order:
+            self.last_forward_order = self.forward_order
+        self.forward_order = []
+
+    def begin_backward(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            Variable._execution_engine.queue_callback(self.end_backward)
+
+    def finish_reduces(self, keep: Unit | None = None) -> None:
+        """Finish every issued reduce-scatter except ``keep`` (just issued, left to overlap)."""
+        still = []
+        for unit in self._reducing:
+            if unit is not keep:
+                unit.finish_reduce()
+        if keep is not None:
+            still.append(keep)
+        self._reducing = still
+
+    def end_backward(self) -> None:
+        """The end-of-backward callback: reduce units whose hooks did not all fire, finish, reshard."""
+        for s in self.states:
+            if s.unit is not None and s.unit._grads_ready:
+                s.post_backward()  # some parameter got no gradient (unused in this forward)
+        self.finish_reduces()
+        self.end_step()
+        self.in_backward = False
+        for s in self.states:
+            s._backward_started = False
+
+    def end_step(self) -> None:
+        """Reshard every unit (after backward, or after a forward that had no backward)."""
+        self.finish_reduces()
+        for s in self.states:
+            if s.unit is not None:
+                s.unit.reshard()

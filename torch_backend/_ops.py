@@ -1,0 +1,315 @@
+"""Sharding rules for ops on RaggedShard DTensors.
+
+A RaggedShard local tensor is a flat slice of the (box's) row-major storage, so an op keeps the
+placement exactly when running it on the flat locals is the same as running it on the whole tensor
+and slicing: elementwise ops (``torch.Tag.pointwise``, copies and fills, ``_foreach_*``, the fused
+optimizer kernels) whose tensor operands all share the placement and shape (0-d replicated scalars
+are fine). Reductions to a scalar become a Partial. Reductions over dims run on the local's block view
+``(blocks, *shape[k:])``: dims after the ragged prefix stay RaggedShard, dims inside it leave a
+Partial. Everything else raises ``UnsupportedRaggedOp`` naming the op and the placement.
+
+The rules are written over ``Operand(shape, placements)``; ``_dtensor_hooks`` turns torch's specs
+into operands and the rules' placements back into torch's output specs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+import ragged
+from torch_backend._placement import RaggedShard
+
+aten = torch.ops.aten
+
+
+class UnsupportedRaggedOp(NotImplementedError, ragged.RaggedError):
+    """An op that has no sharding rule for a RaggedShard operand."""
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A DTensor operand as the rules see it: its global shape and placements."""
+
+    shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class PartialNorm:
+    """A partial p-norm (turned into torch's norm partial / Partial('max'|'min'|'sum'))."""
+
+    ord: float
+
+
+@dataclass
+class Rule:
+    """Output placements (one entry per op output, ``None`` for non-tensors) and arguments to reshard.
+
+    ``reshard`` maps an index into the flattened positional arguments to the placements that operand
+    must be redistributed to before the local op runs.
+    """
+
+    outputs: list[Any]
+    reshard: dict[int, tuple[Placement, ...]] = field(default_factory=dict)
+
+
+# Elementwise ops without torch's pointwise tag.
+_LIKE_OPS = {
+    aten._to_copy.default,
+    aten.copy_.default,
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zero_.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.clone.default,
+}
+_FUSED_OPTIMIZERS = {
+    "aten::_fused_adam_",
+    "aten::_fused_adamw_",
+    "aten::_fused_sgd_",
+    "aten::_fused_adagrad_",
+}
+
+#: Reductions whose ragged local computation is not the op on the flat local (handled by ``reduce``).
+REDUCTIONS_WITH_DIM = (
+    aten.mean.default,
+    aten.mean.dim,
+    aten.sum.dim_IntList,
+    aten.linalg_vector_norm.default,
+)
+
+
+def _is_ragged(x: Any) -> bool:
+    return isinstance(x, Operand) and any(isinstance(p, RaggedShard) for p in x.placements)
+
+
+def _is_scalar(x: Operand) -> bool:
+    return x.shape == () and all(isinstance(p, Replicate) for p in x.placements)
+
+
+def _error(op, operand: Operand, why: str) -> UnsupportedRaggedOp:
+    return UnsupportedRaggedOp(
+        f"{op}: no RaggedShard sharding rule for an operand of shape {operand.shape} with placements "
+        f"{operand.placements}: {why}. Redistribute it (e.g. dt.redistribute(mesh, [Replicate()]) or "
+        "dt.full_tensor()) before calling this op."
+    )
+
+
+def rule(op, args: Any, kwargs: dict[str, Any], out_shapes: Any) -> Rule:
+    """The sharding rule of ``op`` for operands of which at least one holds a RaggedShard.
+
+    Args:
+        op: the aten OpOverload.
+        args: positional arguments with DTensor operands replaced by ``Operand``.
+        kwargs: keyword arguments, likewise.
+        out_shapes: the output shape, a list of shapes (``None`` for non-tensors), or ``None``.
+
+    Returns:
+        The output placements and the operands to redistribute first.
+
+    Raises:
+        UnsupportedRaggedOp: if ``op`` has no rule for these operands.
+    """
+    name = op.name()
+    operands = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Operand)]
+    ragged_operand = next(x for x in operands if _is_ragged(x))
+    if op is aten.sum.default:
+        return Rule([_reduced(op, ragged_operand, "sum")])
+    if op is aten._foreach_norm.Scalar:
+        order = float(args[1]) if len(args) > 1 else 2.0
+        return Rule([_reduced(op, t, PartialNorm(order)) for t in args[0]])
+    if name.startswith("aten::_foreach_") or name in _FUSED_OPTIMIZERS:
+        return _foreach(op, args, kwargs, out_shapes)
+    if torch.Tag.pointwise in op.tags or op in _LIKE_OPS:
+        return _elementwise(op, args, kwargs, ragged_operand, out_shapes)
+    raise _error(
+        op,
+        ragged_operand,
+        "only elementwise ops, foreach/fused optimizer ops and sum/mean/"
+        "vector_norm reductions keep a RaggedShard",
+    )
+
+
+def _reduced(op, x: Operand, kind: Any) -> tuple[Placement, ...]:
+    """Placements of a full reduction of ``x``: sharded mesh dims become partial."""
+    out = []
+    for p in x.placements:
+        if isinstance(p, (RaggedShard, Shard)):
+            out.append(Partial("sum") if kind == "sum" else kind)
+        elif isinstance(p, Replicate):
+            out.append(p)
+        elif kind == "sum" and isinstance(p, Partial) and p.reduce_op == "sum":
+            out.append(p)
+        else:
+            raise _error(op, x, f"cannot reduce a {p} placement")
+    return tuple(out)
+
+
+def _elementwise(op, args, kwargs, ref: Operand, out_shapes) -> Rule:
+    reshard = {}
+    for i, x in enumerate(pytree.tree_leaves(args)):
+        if not isinstance(x, Operand) or x == ref or _is_scalar(x):
+            continue
+        if (
+            x.shape == ref.shape
+            and not _is_ragged(x)
+            and not any(isinstance(p, Partial) for p in x.placements)
+        ):
+            reshard[i] = ref.placements  # e.g. a Replicate operand is sliced locally to the ragged layout
+            continue
+        raise _error(
+            op,
+            x,
+            f"elementwise operands must share the RaggedShard operand's shape {ref.shape} "
+            f"and placements {ref.placements} (or be 0-d replicated scalars)",
+        )
+    for x in pytree.tree_leaves(kwargs):
+        if isinstance(x, Operand) and x != ref and not _is_scalar(x):
+            raise _error(op, x, "keyword tensor operands must match the RaggedShard operand")
+    if any(isinstance(p, Partial) for p in ref.placements):
+        raise _error(op, ref, "a Partial placement beside the RaggedShard is not elementwise-safe")
+    shapes = out_shapes if isinstance(out_shapes, list) else [out_shapes]
+    for s in shapes:
+        if s is not None and tuple(s) != ref.shape:
+            raise _error(
+                op, ref, f"the output shape {tuple(s)} differs from the operand shape (broadcasting)"
+            )
+    return Rule([None if s is None else ref.placements for s in shapes])
+
+
+def _foreach(op, args, kwargs, out_shapes) -> Rule:
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], Operand)]
+    n = len(lists[0])
+    outputs = []
+    for i in range(n):
+        group = [lst[i] for lst in lists if len(lst) == n and isinstance(lst[i], Operand)]
+        group += [x for x in args if isinstance(x, Operand)] + [
+            x for x in pytree.tree_leaves(kwargs) if isinstance(x, Operand)
+        ]
+        ref = next((x for x in group if _is_ragged(x)), group[0])
+        for x in group:
+            if x != ref and not _is_scalar(x):
+                raise _error(
+                    op,
+                    x,
+                    f"foreach element {i} must share the placements {ref.placements} and "
+                    f"shape {ref.shape} of the other lists' element {i}",
+                )
+            if any(isinstance(p, Partial) for p in x.placements):
+                raise _error(op, x, "foreach ops over Partial placements are not elementwise-safe")
+        outputs.append(ref.placements)
+    if out_shapes is None:
+        return Rule([])
+    return Rule(outputs)
+
+
+def reduce(
+    op,
+    local: torch.Tensor,
+    shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    rank: int,
+    args: tuple,
+    kwargs: dict,
+) -> tuple[torch.Tensor, tuple[Any, ...], tuple[int, ...]]:
+    """Run a reduction with dims (``REDUCTIONS_WITH_DIM``) on a RaggedShard local tensor.
+
+    Mechanism: with ``dims = (0..k-1)`` the local is ``nb`` whole blocks, viewed as
+    ``(nb, *shape[k:])``. Reducing only dims ``>= k`` runs on that view and keeps the RaggedShard
+    (same dims and units, on the output shape). Reducing every dim gives a scalar Partial. Reducing
+    some dim ``< k`` places the local blocks in a zero tensor of the full shape and reduces it: each
+    device then holds a full-shaped partial result (sum, or a partial norm for ord > 0).
+
+    Args:
+        op: one of ``REDUCTIONS_WITH_DIM``.
+        local: the flat local tensor.
+        shape: the global shape.
+        placements: the DTensor's placements (only Replicate besides the RaggedShard).
+        rank: this device's index on the RaggedShard's mesh dim.
+        args: the op's positional arguments after ``self``.
+        kwargs: its keyword arguments.
+
+    Returns:
+        (local result, output placements (``PartialNorm`` for norms), output global shape).
+
+    Raises:
+        UnsupportedRaggedOp: for Shard/Partial beside the RaggedShard or a norm order it cannot split.
+    """
+    operand = Operand(shape, placements)
+    m = next(i for i, p in enumerate(placements) if isinstance(p, RaggedShard))
+    if any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i != m):
+        raise _error(op, operand, "reductions over dims support Replicate beside the RaggedShard only")
+    kind, order, dims, keepdim, dtype = _parse_reduction(op, args, kwargs, len(shape))
+    core = placements[m].core
+    k = len(core.dims)
+    out_shape = tuple(1 if d in dims else n for d, n in enumerate(shape) if keepdim or d not in dims)
+
+    def run(x: torch.Tensor, over: list[int]) -> torch.Tensor:
+        if kind == "norm":
+            return torch.linalg.vector_norm(x, order, over, keepdim, dtype=dtype)
+        return (torch.mean if kind == "mean" else torch.sum)(x, over, keepdim, dtype=dtype)
+
+    def with_placement(p: Any) -> tuple[Any, ...]:
+        return tuple(p if i == m else q for i, q in enumerate(placements))
+
+    partial = PartialNorm(order) if kind == "norm" else Partial("sum")
+    if len(dims) == len(shape):
+        if not local.numel():
+            # The identity of the cross-device reduction: 0 for sums and norms, +inf for the -inf "norm".
+            identity = math.inf if kind == "norm" and order == -math.inf else 0.0
+            total = torch.full((), identity, dtype=dtype or local.dtype, device=local.device)
+        elif kind == "mean":
+            total = local.sum(dtype=dtype) / math.prod(shape)
+        else:
+            total = run(local, [0]).reshape(())
+        return total.reshape(out_shape), with_placement(partial), out_shape
+    if not dims & set(range(k)):
+        view = local.view(-1, *shape[k:])
+        out = run(view, [d - k + 1 for d in sorted(dims)])
+        return out.reshape(-1), with_placement(RaggedShard(core.dims, core.local_units)), out_shape
+    if kind == "norm" and order <= 0:
+        raise _error(op, operand, f"a norm of order {order} across the ragged dims has no partial form")
+    start, stop = core.ranges(shape)[rank]
+    full = local.new_zeros(math.prod(shape))
+    full[start:stop] = local
+    full = full.view(shape)
+    if kind == "mean":
+        out = torch.sum(full, sorted(dims), keepdim, dtype=dtype) / math.prod(shape[d] for d in dims)
+    else:
+        out = run(full, sorted(dims))
+    return out.reshape(out_shape), with_placement(partial), out_shape
+
+
+def _parse_reduction(op, args, kwargs, ndim):
+    """(kind, norm order, reduced dims, keepdim, dtype) of a call of a REDUCTIONS_WITH_DIM op."""
+    dtype = kwargs.get("dtype")
+    order = 2.0
+    if op is aten.mean.default:
+        return "mean", order, set(range(ndim)), False, dtype
+    if op is aten.linalg_vector_norm.default:
+        names = ("ord", "dim", "keepdim")
+        given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        order = float(given.get("ord", 2))
+        dim, keepdim, kind = given.get("dim"), bool(given.get("keepdim", False)), "norm"
+    else:
+        given = dict(zip(("dim", "keepdim"), args)) | {
+            k: v for k, v in kwargs.items() if k in ("dim", "keepdim")
+        }
+        dim, keepdim = given.get("dim"), bool(given.get("keepdim", False))
+        kind = "mean" if op is aten.mean.dim else "sum"
+    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        dims = set(range(ndim))
+    else:
+        dims = {d % ndim for d in ([dim] if isinstance(dim, int) else dim)}
+    return kind, order, dims, keepdim, dtype

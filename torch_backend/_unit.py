@@ -1,0 +1,265 @@
+"""One FSDP unit: its DBuffers, its sharded and unsharded parameters, unshard/reshard and gradient reduce.
+
+A unit holds the parameters of the module(s) given to one ``fully_shard`` call. Its master weights live
+in one DBuffer (``master``); each sharded parameter is a RaggedShard DTensor whose local tensor is a view
+into ``master.shard``. Unsharding all-gathers the local shard straight into the unsharded buffer, whose
+views are the unsharded parameters; their ``.grad`` are views into an unsharded gradient buffer, so
+autograd accumulates into it in place, one reduce-scatter writes the local gradient shard and each
+sharded parameter's ``.grad`` is a DTensor view into that shard. Nothing is packed or unpacked.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from ragged import Layout, TensorSlot
+from torch_backend._api import MixedPrecisionPolicy
+from torch_backend._collectives import Pending, all_gather, all_reduce, reduce_scatter, side_stream
+from torch_backend._dbuffer import DBuffer
+from torch_backend._debug import record_copy
+from torch_backend._placement import RaggedShard
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # only local shards exist; the modules hold the sharded DTensor parameters
+    UNSHARDED = "unsharded"  # the unsharded buffer is filled; the modules hold the views into it
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """Where one parameter of the unit is registered: ``module.<attr>``, named ``name`` in the layout."""
+
+    name: str
+    module: nn.Module
+    attr: str
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's buffers live on: the mesh's device type, current index for accelerators."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: tuple[int, ...]) -> DTensor:
+    """A DTensor of global ``shape`` whose local tensor is ``local`` itself (a view, no copy)."""
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class Unit:
+    """One FSDP unit (FSDP2's param group) over a 1-D (shard) or 2-D (replicate, shard) mesh.
+
+    Args:
+        name: the unit's name (errors, debug counter).
+        layout: the planned global buffer of the unit's parameters.
+        refs: where each parameter is registered, in layout order.
+        params: the original parameters, in layout order (meta tensors are allowed: no values copied).
+        mesh: a 1-D mesh (FSDP) or a 2-D mesh ``(replicate, shard)`` (HSDP).
+        mp_policy: mixed precision policy.
+    """
+
+    name: str
+    layout: Layout
+    state: UnitState
+    master: DBuffer  # master dtype; shard = the sharded weights
+    compute: DBuffer  # compute dtype (``master`` itself without mixed precision); full = unsharded weights
+    grads: DBuffer  # compute dtype; full = unsharded gradients; shard = scratch for accumulating reduces
+    reduce: DBuffer  # reduce dtype (``grads`` itself when equal); full = reduce-scatter input
+    main_grad: DBuffer  # master dtype; shard = the sharded gradients
+    requires_grad_sync: bool
+    ag_stream: torch.cuda.Stream | None  # set by the root on CUDA
+    rs_stream: torch.cuda.Stream | None
+
+    def __init__(self, name: str, layout: Layout, refs: list[ParamRef], params: list[nn.Parameter],
+                 mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+        self.name = name
+        self.layout = layout
+        self.refs = refs
+        self.mesh = mesh
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        self.world = mesh.size()  # gradients are averaged over every rank of the mesh
+        device = mesh_device(mesh)
+        master_dtype = params[0].dtype
+        compute_dtype = mp_policy.compute_dtype(master_dtype)
+        reduce_dtype = mp_policy.reduction_dtype(master_dtype)
+        self.master = DBuffer(layout, self.rank, master_dtype, device)
+        self.compute = self.master if compute_dtype == master_dtype else DBuffer(
+            layout, self.rank, compute_dtype, device)
+        self.grads = DBuffer(layout, self.rank, compute_dtype, device)
+        self.reduce = self.grads if reduce_dtype == compute_dtype else DBuffer(
+            layout, self.rank, reduce_dtype, device)
+        self.main_grad = DBuffer(layout, self.rank, master_dtype, device)
+        self.requires_grad_sync = True
+        self.ag_stream = self.rs_stream = None
+        self.state = UnitState.SHARDED
+
+        placements = {t.name: RaggedShard.from_core(layout.placement(t.name)) for t in layout.tensors}
+        self.sharded: list[nn.Parameter] = []
+        self.unsharded: list[nn.Parameter] = []
+        self._sharded_grads: list[DTensor] = []
+        for ref, orig in zip(refs, params):
+            with torch.no_grad():
+                if not orig.is_meta:
+                    start, stop = self.master.local_range(ref.name)
+                    src = orig.detach().reshape(-1)[start:stop]
+                    record_copy(self.master.shard_view(ref.name), src)
+                    self.master.shard_view(ref.name).copy_(src)
+            mesh_placements = ([Replicate()] if mesh.ndim == 2 else []) + [placements[ref.name]]
+            shape = tuple(orig.shape)
+            local, local_grad = self.master.shard_view(ref.name), self.main_grad.shard_view(ref.name)
+            self.sharded.append(nn.Parameter(_dtensor(local, mesh, mesh_placements, shape),
+                                             requires_grad=orig.requires_grad))
+            self._sharded_grads.append(_dtensor(local_grad, mesh, mesh_placements, shape))
+            unsharded = nn.Parameter(self.compute.full_view(ref.name), requires_grad=orig.requires_grad)
+            if orig.requires_grad:
+                unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+            self.unsharded.append(unsharded)
+        self._register(self.sharded)
+
+        self._pending_all_gather: Pending | None = None
+        self._pending_reduce: Pending | None = None
+        self._reduce_out: torch.Tensor | None = None
+        self._accumulate_into_grads = False
+        self._grads_ready = False  # unsharded .grad views are set for this backward
+        self._unsynced_grads = False  # the unsharded gradient buffer holds grads of unsynced backwards
+        self._grads_left = 0  # params whose gradient has not landed yet in this backward
+        self._version = -1  # the unsharded buffer's version once filled (to detect user writes)
+        self.post_backward_callback = None  # set by the hooks: called when all gradients landed
+
+    # ----- registration ---------------------------------------------------------------------------
+    def _register(self, params: list[nn.Parameter]) -> None:
+        for ref, p in zip(self.refs, params):
+            ref.module._parameters[ref.attr] = p
+
+    def rename(self, name: str, names: dict[str, str]) -> None:
+        """Name the unit and its tensors (e.g. by FQNs once the root is known); no offset moves."""
+        old = self.layout
+        slots = tuple(TensorSlot(names[t.name], t.shape, t.block, t.offset) for t in old.tensors)
+        layout = Layout(old.world_size, old.shard_size, slots, align=old.align, name=name)
+        buffers = (self.master, self.compute, self.grads, self.reduce, self.main_grad)
+        for buf in {id(b): b for b in buffers}.values():
+            buf.relabel(layout)
+        self.refs = [ParamRef(names[r.name], r.module, r.attr) for r in self.refs]
+        self.layout = layout
+        self.name = name
+
+    # ----- unshard / reshard ----------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the one all-gather that fills the unsharded buffer (waits unless ``async_op``)."""
+        if self.state is UnitState.UNSHARDED or self._pending_all_gather is not None:
+            if not async_op:
+                self.wait_for_unshard()
+            return
+        with side_stream(self.ag_stream):
+            self.compute.alloc_full()
+            if self.compute is not self.master:
+                self.compute.copy_(self.master.shard)  # the mixed-precision cast: one kernel per unit
+            self._pending_all_gather = all_gather(self.compute.full, self.compute.shard, self.shard_group,
+                                                  unit=self.name)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish an issued all-gather and register the unsharded parameters on the modules."""
+        if self._pending_all_gather is not None:
+            pending, self._pending_all_gather = self._pending_all_gather, None
+            pending.wait()
+            self._version = self.compute.full._version
+        if self.state is UnitState.SHARDED:
+            self._register(self.unsharded)
+            self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded buffer.
+
+        If the unsharded parameters were written to since the all-gather (``with unsharded(model):``
+        around an initialisation or an edit), this rank first keeps its slice of what was written.
+        """
+        if self._pending_all_gather is not None:
+            self.wait_for_unshard()  # never free memory a collective is still writing
+        if self.state is UnitState.SHARDED:
+            return
+        if self.compute.full._version != self._version:
+            lo, hi = self.layout.shard_range(self.rank)
+            self.master.copy_(self.compute.full[lo:hi])
+        self._register(self.sharded)
+        self.compute.free_full()
+        self.state = UnitState.SHARDED
+
+    # ----- gradients ------------------------------------------------------------------------------
+    def prepare_gradients(self) -> None:
+        """Point every unsharded parameter's ``.grad`` at its view of the (zeroed) gradient buffer."""
+        if self._grads_ready:
+            return
+        if not self._unsynced_grads:
+            self.grads.alloc_full()
+            self.grads.full.zero_()
+        self._grads_left = 0
+        for ref, p in zip(self.refs, self.unsharded):
+            if p.requires_grad:
+                p.grad = self.grads.full_view(ref.name)
+                self._grads_left += 1
+        self._grads_ready = True
+
+    def _on_grad_accumulated(self, _: torch.Tensor) -> None:
+        self._grads_left -= 1
+        if self._grads_left == 0 and self.post_backward_callback is not None:
+            self.post_backward_callback()
+
+    def post_backward(self) -> bool:
+        """Reshard, then reduce-scatter the gradients (issued, not waited). Returns True if it reduced."""
+        self.reshard()
+        if not self._grads_ready:
+            return False
+        self._grads_ready = False
+        for p in self.unsharded:
+            p.grad = None
+        if not self.requires_grad_sync:
+            self._unsynced_grads = True  # keep accumulating unsharded gradients until a synced backward
+            return False
+        self._unsynced_grads = False
+        self._accumulate_into_grads = any(p.grad is not None for p in self.sharded)
+        direct = not self._accumulate_into_grads and self.reduce.dtype == self.main_grad.dtype
+        with side_stream(self.rs_stream):
+            if self.reduce is not self.grads:
+                self.reduce.alloc_full()
+                record_copy(self.reduce.full, self.grads.full)
+                self.reduce.full.copy_(self.grads.full)  # reduce in reduce_dtype
+            self._reduce_out = self.main_grad.shard if direct else self.reduce.shard
+            self._pending_reduce = reduce_scatter(self._reduce_out, self.reduce.full, self.shard_group,
+                                                  unit=self.name)
+        return True
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter (and the HSDP all-reduce) and set the sharded ``.grad`` views."""
+        if self._pending_reduce is None:
+            return
+        pending, self._pending_reduce = self._pending_reduce, None
+        pending.wait()
+        out = self._reduce_out
+        if self.replicate_group is not None:
+            all_reduce(out, self.replicate_group, unit=self.name).wait()
+        out.div_(self.world)
+        if out is not self.main_grad.shard:
+            if self._accumulate_into_grads:
+                for ref, p in zip(self.refs, self.sharded):
+                    if p.grad is None:
+                        self.main_grad.shard_view(ref.name).zero_()
+                self.main_grad.add_(out)
+            else:
+                self.main_grad.copy_(out)  # a cast: reduced in another dtype than the master's
+        self.grads.free_full()
+        self.reduce.free_full()
+        for p, g in zip(self.sharded, self._sharded_grads):
+            if p.requires_grad:
+                p.grad = g

@@ -1,0 +1,34 @@
+"""Apply ragged-fsdp to a finished ``Llama``: FSDP bottom-up, as torchtitan does with FSDP2."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from torch_backend._api import MixedPrecisionPolicy
+from torch_backend._fully_shard import GranularityArg, fully_shard
+from torch_backend.models.llama import Llama
+
+
+def parallelize(model: Llama, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy | None = None, granularity: GranularityArg = None) -> Llama:
+    """Shard ``model`` in place: ``tok_embeddings``, each block, ``[norm, output]``, then the root.
+
+    The units match the core preset's (``ragged.model_shapes("llama-tiny")``): the same tensors in the
+    same order under the same FQNs, so the layouts equal the JAX backend's for the same granularity.
+
+    Args:
+        model: a ``Llama`` (built anywhere, the meta device included).
+        mesh: a 1-D mesh, or a 2-D ``(replicate, shard)`` mesh for HSDP.
+        reshard_after_forward, mp_policy, granularity: passed to every ``fully_shard`` call.
+
+    Returns:
+        ``model``, now an FSDP module.
+    """
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                  granularity=granularity)
+    fully_shard(model.tok_embeddings, **kwargs)
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard([model.norm, model.output], **kwargs)
+    fully_shard(model, **kwargs)
+    return model
