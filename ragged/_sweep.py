@@ -19,6 +19,7 @@ from pathlib import Path
 from ragged._baselines import BASELINES, BaselineLayout, allgather_bytes, baseline_layouts
 from ragged._granularity import Granularity, granularity_for
 from ragged._layout import Layout, TensorSpec
+from ragged._model_plan import plan_model
 from ragged._planner import plan
 from ragged._presets import model_shapes
 from ragged._shapes_file import UnitSpecs
@@ -33,12 +34,16 @@ TARGET_PLAN_SECONDS = 0.3
 
 @dataclass(frozen=True)
 class UnitComparison:
-    """One unit planned by us (``layout``, in ``seconds``) and sharded by every baseline."""
+    """One unit planned by us (``layout``, in ``seconds``) and sharded by every baseline.
+
+    ``repeat_of`` names the earlier unit with the same shapes whose plan this one reuses.
+    """
 
     name: str
     layout: Layout
     seconds: float
     baselines: tuple[BaselineLayout, ...]
+    repeat_of: str | None = None
 
     def worse_than_whole_baseline(self) -> bool:
         """Whether a baseline that cuts no block of this unit pads it less than our layout."""
@@ -176,13 +181,12 @@ def padding_sweep(models: Iterable[str] = MODELS, world_sizes: Iterable[int] = W
 
 def time_whole_model(model: str, world_size: int, granularity: str = "rows:1", *, repeats: int = 3,
                      itemsize: int = 4) -> float:
-    """Median seconds to plan every unit of ``model`` (identical units once), one thread."""
-    units = [u for u, _ in distinct_units(sweep_units(model, granularity)[0])]
+    """Median seconds of ``plan_model`` on the preset (identical units planned once), one thread."""
+    shapes = model_shapes(model)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        for u in units:
-            plan(u.tensors, world_size, itemsize=itemsize, name=u.name)
+        plan_model(shapes, world_size, granularity, itemsize=itemsize)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 

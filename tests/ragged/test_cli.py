@@ -1,0 +1,171 @@
+"""The ``ragged`` command, run in process through ``ragged._cli.main`` (plus one installed-script check)."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ragged import model_shapes
+from ragged._cli import main
+
+
+def _check_unit_json(unit, world_size):
+    """An independent check of one unit's JSON layout: the paper's constraints, element by element."""
+    s = unit["shard_size"]
+    assert s >= 1 and s % unit["align"] == 0
+    owner_end = 0
+    for t in sorted(unit["tensors"], key=lambda t: t["offset"]):
+        numel, block, off = t["numel"], t["block"], t["offset"]
+        assert numel == math.prod(t["shape"]) and numel % block == 0
+        assert off >= owner_end and off + numel <= world_size * s and off % unit["align"] == 0
+        owner_end = off + numel
+        # local_units[d] = blocks of this tensor inside device d's shard; every block on one device.
+        held = [max(0, min((d + 1) * s, off + numel) - max(d * s, off)) for d in range(world_size)]
+        assert all(h % block == 0 for h in held)
+        if numel:
+            assert t["local_units"] == [h // block for h in held]
+
+
+def test_plan_model_json_schema_and_layout(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-tiny", "--world-size", "3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"world_size", "units"} and data["world_size"] == 3
+    preset = model_shapes("llama-tiny")
+    assert [u["name"] for u in data["units"]] == [u.name for u in preset.units]
+    for unit, shapes in zip(data["units"], preset.units):
+        assert {"name", "shard_size", "tensors"} <= set(unit)
+        assert [(t["name"], tuple(t["shape"])) for t in unit["tensors"]] == list(shapes.tensors)
+        for t in unit["tensors"]:
+            assert {"name", "shape", "numel", "block", "offset", "local_units"} <= set(t)
+            # Default rule: whole rows of matrices, element-wise 1-D tensors.
+            assert t["block"] == (t["shape"][-1] if len(t["shape"]) >= 2 else 1)
+        _check_unit_json(unit, 3)
+    table = capsys.readouterr().out
+    assert "total" in table and "fsdp2" in table and "megatron" in table and "layers.3" in table
+
+
+def test_plan_table_figures(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-tiny", "--world-size", "3", "--json", str(out)]) == 0
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("│")}
+    for unit in json.loads(out.read_text())["units"]:  # our S and padding, recomputed from the layout
+        buffer = 3 * unit["shard_size"]
+        padding = (buffer - sum(t["numel"] for t in unit["tensors"])) / buffer
+        row = rows[unit["name"]]
+        assert f"{unit['shard_size']:,}" in row and f"{100 * padding:.2f}%" in row
+    # Embedding [256, 64] on 3 devices, closed forms: FSDP2 pads dim 0 to 258 rows (2/258 = 0.78%);
+    # FSDP1 pads 16384 to 3 x 5464 (8 elements, 0.05%) and cuts the rows at 5464 and 10928 (2 blocks).
+    cells = [c.strip() for c in rows["tok_embeddings"].split("│")]
+    assert cells[6:8] == ["0.05% (2 cut)", "0.78%"]
+    assert "= layers.0" in rows["layers.3"]  # repeated layers are planned once
+
+
+def test_plan_shapes_file_granularity_rules(tmp_path):
+    shapes = {"units": [{"name": "block", "tensors": [
+        {"name": "w", "shape": [32, 8]},                              # command line's rows:4 -> 32
+        {"name": "experts", "shape": [4, 8, 6], "granularity": "rows:8"},  # its own value wins -> 48
+        {"name": "bias", "shape": [10]},                              # 1-D stays element-wise -> 1
+        {"name": "scale", "shape": [12], "granularity": "whole"},      # unless it says otherwise -> 12
+    ]}]}
+    src, out = tmp_path / "shapes.json", tmp_path / "out.json"
+    src.write_text(json.dumps(shapes))
+    assert main(["plan", "--shapes", str(src), "--world-size", "4", "--granularity", "rows:4",
+                 "--json", str(out)]) == 0
+    unit = json.loads(out.read_text())["units"][0]
+    assert [t["block"] for t in unit["tensors"]] == [32, 48, 1, 12]
+    _check_unit_json(unit, 4)
+
+
+def test_plan_json_to_stdout_only(capsys):
+    assert main(["plan", "--model", "llama-tiny", "--world-size", "2", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 2 and len(data["units"]) == 6
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt-5", "--world-size", "8"], "unknown model 'gpt-5'"),
+    (["--model", "llama-tiny", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+    (["--model", "llama-tiny", "--world-size", "8", "--granularity", "rows:x"], "granularity 'rows:x'"),
+    (["--model", "llama-tiny", "--world-size", "8", "--granularity", "rows:3"],
+     "tok_embeddings.weight: granularity rows:3 does not divide"),
+    (["--shapes", "/nonexistent/shapes.json", "--world-size", "8"], "cannot read it"),
+])
+def test_plan_bad_input_exit_2_one_line(args, message, capsys):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ragged: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not valid JSON"),
+    ('{"unit": []}', "missing 'units'"),
+    ('{"units": []}', "'units' is empty"),
+    ('{"units": [{"name": "u", "tensors": [{"name": "w", "shape": [4, -1]}]}]}',
+     "units[0].tensors[0] (w): 'shape' must be a list of non-negative ints"),
+    ('{"units": [{"name": "u", "tensors": [{"name": "w", "shape": "4x4"}]}]}', "'shape' must be a list"),
+    ('{"units": [{"name": "u", "tensors": [{"shape": [4]}]}]}', "units[0].tensors[0]: missing 'name'"),
+    ('{"units": [{"name": "u", "tensors": [{"name": "w", "shape": [6, 4], "granularity": "rows:4"}]}]}',
+     "w: granularity rows:4 does not divide the tensor"),
+    ('{"units": [{"name": "u", "tensors": [{"name": "w", "shape": [6], "granularity": "tiles"}]}]}',
+     "granularity 'tiles' is not one of"),
+])
+def test_malformed_shapes_file(tmp_path, text, message, capsys):
+    assert main(["plan", "--shapes", _write(tmp_path, text), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_argparse_errors_exit_2(capsys):
+    assert main(["plan", "--model", "llama-tiny"]) == 2  # --world-size missing
+    assert main(["plan", "--model", "llama-tiny", "--shapes", "x.json", "--world-size", "2"]) == 2
+    assert main(["nope"]) == 2
+    assert "--world-size" in capsys.readouterr().err
+
+
+def test_advise_json(capsys):
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "4", "--max-padding", "1%", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpus"] == 4 and data["max_padding"] == 0.01
+    tried = {(o["group_size"], o["merge"]) for o in data["options"]}
+    assert tried == {(g, k) for g in (4, 2, 1) for k in (1, 2, 4)}
+    assert data["recommended"] in data["options"]
+
+
+def test_advise_table_and_errors(capsys):
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "2", "--merge-factors", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: FSDP group of" in out and "all-gather/device/step" in out
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "2", "--max-padding", "150%"]) == 2
+    assert "--max-padding" in capsys.readouterr().err
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "0"]) == 2
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "2", "--merge-factors", "0"]) == 2
+
+
+def test_sweep_bad_options(capsys):
+    assert main(["sweep", "--models", "llama-huge"]) == 2
+    assert main(["sweep", "--models", "llama-tiny", "--world-sizes", "8,x"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model(s) ['llama-huge']" in err and "'x' is not an int >= 1" in err
+
+
+def test_console_script_installed():
+    script = shutil.which("ragged", path=os.path.dirname(sys.executable))
+    assert script is not None, "the ragged console script is not installed next to this Python"
+    ok = subprocess.run([script, "plan", "--model", "llama-tiny", "--world-size", "2", "--json", "-"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["world_size"] == 2
+    bad = subprocess.run([script, "plan", "--model", "nope", "--world-size", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("ragged: error: unknown model 'nope'")
