@@ -34,9 +34,13 @@ class Granularity:
 
     def __post_init__(self) -> None:
         if self.kind not in ("elements", "rows", "tiles", "whole"):
-            raise GranularityError(f"unknown granularity kind {self.kind!r}")
+            raise GranularityError(
+                f"unknown granularity kind {self.kind!r}; expected elements, rows, tiles or whole"
+            )
         if self.n < 1 or self.cols < 1:
-            raise GranularityError(f"granularity {self} must have positive sizes")
+            raise GranularityError(
+                f"granularity {self.kind} n={self.n} cols={self.cols} must have sizes >= 1"
+            )
 
     @staticmethod
     def parse(value: Granularity | int | str) -> Granularity:
@@ -81,6 +85,8 @@ class Granularity:
         A zero-size tensor has block 1: it occupies no elements, so nothing can be cut.
         """
         shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise GranularityError(f"{name}: shape {shape} has a negative dim")
         numel = math.prod(shape)
         if numel == 0:
             return 1
@@ -90,7 +96,7 @@ class Granularity:
             if numel % self.n:
                 raise GranularityError(
                     f"{name}: granularity {self} does not divide the tensor: numel {numel} of shape "
-                    f"{shape} is not a multiple of {self.n}"
+                    f"{shape} is not a multiple of {self.n}; give this tensor a granularity that divides it"
                 )
             return self.n
         cols = shape[-1] if shape else 1
@@ -98,7 +104,7 @@ class Granularity:
         if rows % self.n:
             raise GranularityError(
                 f"{name}: granularity {self} does not divide the tensor: its 2-D view has {rows} rows "
-                f"(shape {shape}), not a multiple of {self.n}"
+                f"(shape {shape}), not a multiple of {self.n}; give this tensor a granularity that divides it"
             )
         if self.kind == "tiles" and cols % self.cols:
             raise GranularityError(

@@ -216,18 +216,23 @@ class Layout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], world_size: int | None = None) -> Layout:
-        """Rebuild a Layout; derived fields (numel, local_units) are checked, not trusted."""
-        world = int(data.get("world_size", world_size or 0))
-        layout = cls(
-            world_size=world,
-            shard_size=int(data["shard_size"]),
-            tensors=tuple(
-                TensorSlot(t["name"], tuple(t["shape"]), int(t["block"]), int(t["offset"]))
-                for t in data["tensors"]
-            ),
-            align=int(data.get("align", 1)),
-            name=str(data.get("name", "")),
-        )
+        """Rebuild a Layout; derived fields (numel, local_units) are checked, not trusted.
+
+        Raises:
+            PlanningError: a missing key, or a layout that breaks a rule (naming the tensor).
+        """
+        try:
+            world = int(data.get("world_size", world_size or 0))
+            layout = cls(
+                world_size=world,
+                shard_size=int(data["shard_size"]),
+                tensors=tuple(TensorSlot(t["name"], tuple(int(d) for d in t["shape"]), int(t["block"]),
+                                         int(t["offset"])) for t in data["tensors"]),
+                align=int(data.get("align", 1)),
+                name=str(data.get("name", "")),
+            )
+        except KeyError as err:
+            raise PlanningError(f"layout {data.get('name', '')!r}: the JSON lacks the key {err}") from None
         for t in data["tensors"]:
             if "numel" in t and int(t["numel"]) != math.prod(t["shape"]):
                 raise PlanningError(f"{t['name']}: numel {t['numel']} does not match shape {t['shape']}")
@@ -318,7 +323,7 @@ def shard_size_lower_bound(items: list[tuple[int, int]], world_size: int, align:
 def _check_layout(layout: Layout) -> None:
     """Reject a layout that breaks the buffer's rules, naming the tensor and the rule."""
     m, s, align = layout.world_size, layout.shard_size, layout.align
-    if m < 1:
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise PlanningError(f"layout {layout.name!r}: world_size {m} must be >= 1")
     if align < 1 or s < 1 or s % align:
         raise PlanningError(
@@ -330,6 +335,8 @@ def _check_layout(layout: Layout) -> None:
         raise PlanningError(f"layout {layout.name!r}: duplicate tensor names {dupes}")
     prev_end, prev_name = 0, None
     for t in sorted(layout.tensors, key=lambda t: (t.offset, t.numel)):
+        if any(d < 0 for d in t.shape):
+            raise PlanningError(f"{t.name}: shape {t.shape} has a negative dim")
         if t.block < 1 or (t.numel and t.numel % t.block):
             raise PlanningError(f"{t.name}: block {t.block} does not divide numel {t.numel}")
         if t.offset < 0 or t.offset % align:

@@ -10,6 +10,7 @@ row-wise (``k = ndim - 1``), N-row blocks, uneven splits, empty shards (a zero u
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -37,11 +38,12 @@ class RaggedShard:
     local_units: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
-        object.__setattr__(self, "local_units", tuple(int(u) for u in self.local_units))
+        object.__setattr__(self, "dims", _ints("dims", self.dims))
+        object.__setattr__(self, "local_units", _ints("local_units", self.local_units))
         if self.dims != tuple(range(len(self.dims))):
             raise PlacementError(
-                f"RaggedShard dims={self.dims} must be a prefix (0, ..., k-1) of the tensor's dims"
+                f"RaggedShard dims={self.dims} must be a prefix (0, ..., k-1) of the tensor's dims; "
+                f"use dims={tuple(range(len(self.dims)))} or shard a reshaped tensor"
             )
         if not self.local_units:
             raise PlacementError("RaggedShard local_units is empty: give one entry per device")
@@ -57,6 +59,7 @@ class RaggedShard:
 
     @property
     def world_size(self) -> int:
+        """The number of devices: one ``local_units`` entry each."""
         return len(self.local_units)
 
     def block_numel(self, shape: Shape) -> int:
@@ -87,7 +90,7 @@ class RaggedShard:
         if numel % total:
             raise PlacementError(
                 f"{name}: numel {numel} of shape {shape} is not divisible by sum(local_units)={total} "
-                f"(local_units={self.local_units})"
+                f"(local_units={self.local_units}): units must be equal whole parts of the tensor"
             )
         block = self.block_numel(shape)
         if block and (numel // total) % block:
@@ -105,6 +108,9 @@ class RaggedShard:
         return tuple((cum[i] * unit, cum[i + 1] * unit) for i in range(self.world_size))
 
     def local_numel(self, shape: Shape, rank: int, name: str = "tensor") -> int:
+        """Elements device ``rank`` holds."""
+        if not 0 <= rank < self.world_size:
+            raise PlacementError(f"{name}: rank {rank} is outside the {self.world_size} devices")
         start, end = self.ranges(shape, name)[rank]
         return end - start
 
@@ -118,3 +124,12 @@ class RaggedShard:
         if not 0 <= root < world_size:
             raise PlacementError(f"root {root} is outside the {world_size} devices")
         return RaggedShard((), tuple(int(i == root) for i in range(world_size)))
+
+
+def _ints(label: str, values: tuple[int, ...]) -> tuple[int, ...]:
+    """``values`` as a tuple of ints; floats, bools and strings are an error, not truncated."""
+    out = tuple(values)
+    bad = [v for v in out if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+    if bad:
+        raise PlacementError(f"RaggedShard {label}={out} must hold ints, got {bad}")
+    return tuple(int(v) for v in out)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from ragged._errors import PlacementError
 from ragged._placement import RaggedShard
 
 Interval = tuple[int, int]
@@ -31,17 +32,22 @@ class Transfer(NamedTuple):
 
 
 def ragged_holdings(placement: RaggedShard, shape: tuple[int, ...], name: str = "tensor") -> Holdings:
+    """Holdings of a ``RaggedShard``: one interval per device that holds anything."""
     return tuple(((a, b),) if b > a else () for a, b in placement.ranges(shape, name))
 
 
 def chunk_sizes(size: int, world_size: int) -> tuple[int, ...]:
     """torch.chunk's rule: chunks of ``ceil(size / m)``, the last ones smaller or empty."""
+    if world_size < 1 or size < 0:
+        raise PlacementError(f"chunk_sizes: need size >= 0 and world_size >= 1, got {size}, {world_size}")
     step = -(-size // world_size) if size else 0
     return tuple(max(0, min(step, size - i * step)) for i in range(world_size))
 
 
 def shard_holdings(shape: tuple[int, ...], dim: int, world_size: int) -> Holdings:
     """Holdings of ``Shard(dim)``: per outer index, one contiguous chunk of ``dim``."""
+    if not 0 <= dim < len(shape):
+        raise PlacementError(f"Shard({dim}) is out of range for shape {tuple(shape)}")
     outer = math.prod(shape[:dim])
     inner = math.prod(shape[dim + 1:])
     size = shape[dim]
@@ -55,10 +61,12 @@ def shard_holdings(shape: tuple[int, ...], dim: int, world_size: int) -> Holding
 
 
 def replicate_holdings(numel: int, world_size: int) -> Holdings:
+    """Holdings of ``Replicate``: every device holds the whole tensor."""
     return tuple(((0, numel),) if numel else () for _ in range(world_size))
 
 
 def local_numels(holdings: Holdings) -> tuple[int, ...]:
+    """Elements each device holds."""
     return tuple(sum(b - a for a, b in h) for h in holdings)
 
 
@@ -68,7 +76,16 @@ def transfers(src: Holdings, dst: Holdings, *, prefer_local: bool = True) -> tup
     Every element a destination needs comes from exactly one source. When several sources hold it
     (a replicated source), the destination itself is preferred (no communication), else the lowest
     rank that holds it.
+
+    Raises:
+        PlacementError: the two holdings span different numbers of devices, or a destination wants
+            elements that no source holds.
     """
+    if len(src) != len(dst):
+        raise PlacementError(
+            f"transfers: the source holdings cover {len(src)} devices and the destination {len(dst)}; "
+            f"redistribute within one mesh dim"
+        )
     world = len(src)
     out: list[Transfer] = []
     src_local = [_local_starts(h) for h in src]
@@ -89,7 +106,9 @@ def transfers(src: Holdings, dst: Holdings, *, prefer_local: bool = True) -> tup
                 if not missing:
                     break
             if missing:
-                raise ValueError(f"elements {missing} wanted by device {d} are held by no device")
+                raise PlacementError(
+                    f"transfers: elements {missing} wanted by device {d} are held by no device"
+                )
     return tuple(sorted(out))
 
 
