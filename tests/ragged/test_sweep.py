@@ -46,8 +46,8 @@ def test_sweep_model_sums_every_unit():
     assert ours.allgather_bytes == 3 * buffer // 4 * 4  # (m - 1) shards of S, 4-byte elements
     for k, (p, t, split) in base.items():
         assert (rows[k].padding, rows[k].buffer_numel, rows[k].split_blocks) == (p, t, split)
-    whole = [rows[k].padding_ratio for k in base if rows[k].split_blocks == 0]
-    assert ours.best_whole_ratio == (min(whole) if whole else None)
+    whole = sorted((rows[k].padding_ratio, k) for k in base if rows[k].split_blocks == 0)
+    assert (ours.best_whole_ratio, ours.best_whole_method) == whole[0]  # Megatron-style never cuts
 
 
 def test_run_sweep_writes_csv_png_and_summary(tmp_path):
@@ -64,17 +64,22 @@ def test_run_sweep_writes_csv_png_and_summary(tmp_path):
     assert "Against the best baseline that keeps blocks whole" in md and "| llama-tiny | rows:16 |" in md
 
 
-def _row(model, m, g, ratio, **kw):
-    return SweepRow(model, m, g, "ours", int(ratio * 1000), 1000, ratio, ratio, 0, 0, 0, **kw)
+def _row(model, m, g, ratio, method="ours", **kw):
+    return SweepRow(model, m, g, method, int(ratio * 1000), 1000, ratio, ratio, 0, 0, 0, **kw)
 
 
 def test_summary_states_the_targets():
-    rows = [_row("deepseek-v3", 256, "rows:16", 0.05, plan_seconds=0.1, units_worse=2, best_whole_ratio=0.01),
-            _row("gpt-oss-120b", 8, "rows:1", 0.001, plan_seconds=0.1, units_worse=0, best_whole_ratio=None),
-            _row("deepseek-v3", 1024, "rows:1", 0.02, plan_seconds=0.1, units_worse=0, best_whole_ratio=0.5)]
+    rows = [_row("deepseek-v3", 256, "rows:16", 0.05, plan_seconds=0.1, units_worse=2, best_whole_ratio=0.01,
+                 best_whole_method="fsdp2"),
+            _row("deepseek-v3", 256, "rows:16", 0.04, "megatron"),
+            _row("gpt-oss-120b", 8, "rows:1", 0.001, plan_seconds=0.1, units_worse=0),
+            _row("gpt-oss-120b", 8, "rows:1", 0.002, "megatron"),
+            _row("deepseek-v3", 1024, "rows:1", 0.02, plan_seconds=0.1, units_worse=0, best_whole_ratio=0.5,
+                 best_whole_method="megatron")]
     md = summary(rows, {("deepseek-v3", 1024, "rows:1"): 0.5})
     assert "at most 5.00% (deepseek-v3, rows:16, m=256; target <= 3.00%: NOT met)" in md
     assert "At m=1024: deepseek-v3 rows:1 2.00%" in md
-    assert "more padding in 2 unit(s) over 1 of 3 configurations" in md
-    assert "above it in 1 configuration(s): deepseek-v3 rows:16 m=256" in md
+    assert ("more padding in 1 of 3 configurations (against fsdp2), by at most 4.00 points (deepseek-v3 "
+            "rows:16 m=256: 5.00% vs fsdp2 1.00%); per unit, in 2 unit(s) over 1 configuration(s)") in md
+    assert "Against Megatron-style" in md and "more padding in 1 of 3 configurations." in md
     assert "0.500 s (target <= 0.3 s: NOT met)" in md
