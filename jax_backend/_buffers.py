@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ragged
@@ -141,6 +142,14 @@ def pack_unit(params: Mapping[str, jax.Array], layout: Layout) -> jax.Array:
     return jnp.concatenate(parts)
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """Floats as unsigned integers of their width. XLA's CPU backend moves bf16 through fp32 in concatenates
+    and collectives, which rewrites NaN payloads; conversions and checkpoints must keep every bit."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
 def unpack_unit(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
     """The unit's tensors as static slices of its unsharded buffer, reshaped: ``{fqn: array}``."""
     if buffer.shape != (layout.total_numel,):
@@ -167,9 +176,17 @@ def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mes
     check_mesh(mesh, layouts, axis)
     check_params(params, layouts)
     sharding = buffer_sharding(mesh, axis)
-    pack = jax.jit(lambda p: {lay.name: pack_unit(p, lay) for lay in layouts},
-                   out_shardings={lay.name: sharding for lay in layouts})
-    return pack({t.name: params[t.name] for layout in layouts for t in layout.tensors})
+    shardings = {lay.name: sharding for lay in layouts}
+    dtypes = {lay.name: jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts}
+    # Three steps, so that XLA cannot fuse the reinterpretations into the data movement: take the bits,
+    # pack them into sharded buffers, then reinterpret the buffers shard by shard.
+    bits = {t.name: _bits(jnp.asarray(params[t.name], dtypes[lay.name]))
+            for lay in layouts for t in lay.tensors}
+    pack = jax.jit(lambda p: {lay.name: pack_unit(p, lay) for lay in layouts}, out_shardings=shardings)
+    as_dtype = jax.jit(lambda b: {k: lax.bitcast_convert_type(v, dtypes[k]) if v.dtype != dtypes[k] else v
+                                  for k, v in b.items()}, out_shardings=shardings)
+    out = as_dtype(pack(bits))
+    return {lay.name: out[lay.name] for lay in layouts}  # in unit order (jit sorts dict keys)
 
 
 def unshard_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> dict[str, jax.Array]:
@@ -177,8 +194,11 @@ def unshard_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) 
     missing = [layout.name for layout in layouts if layout.name not in buffers]
     if missing:
         raise LayoutMismatchError(f"buffers miss the units {missing} (have {list(buffers)})")
-    out: dict[str, jax.Array] = {}
-    for layout in layouts:
-        out.update(unpack_unit(buffers[layout.name], layout))
-    return out
+    def slices(b: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        return {k: v for lay in layouts for k, v in unpack_unit(_bits(b[lay.name]), lay).items()}
 
+
+    dtypes = {t.name: buffers[lay.name].dtype for lay in layouts for t in lay.tensors}
+    out = jax.jit(slices)({lay.name: buffers[lay.name] for lay in layouts})  # jit returns sorted keys
+    return {k: out[k] if out[k].dtype == d else lax.bitcast_convert_type(out[k], d) for k, d in dtypes.items()
+            }
