@@ -6,8 +6,11 @@ groups of ``g`` devices, replicate over ``N / g`` groups) and to pick ``g`` by o
 this module is that simulation. It also tries merging ``k`` adjacent decoder layers into one FSDP
 unit: a bigger unit spreads the same per-boundary waste over more elements.
 
-For every group size dividing ``N`` and every merge factor it re-plans the whole model and reports
-padding, the largest unit, the elements each device holds and the all-gather traffic per step.
+For group sizes dividing ``N``, largest first, and every merge factor it re-plans the whole model and
+reports padding, the largest unit, the elements each device holds and the all-gather traffic per step.
+It stops after the first group size at which the smallest merge factor meets the target: the
+recommendation cannot change below it, and smaller groups only cost more memory per device
+(``exhaustive=True`` evaluates them all).
 
 Recommendation rule: among the options whose whole-model padding is at most the target, take the
 smallest merge factor (merging k layers multiplies the unsharded unit every device materialises by
@@ -51,7 +54,7 @@ class HsdpOption:
 
 @dataclass(frozen=True)
 class Advice:
-    """Every option tried (largest group first) and the recommended one (None if none meets the target)."""
+    """The options evaluated (largest group first) and the recommended one (None if none meets the target)."""
 
     gpus: int
     granularity: str
@@ -102,7 +105,7 @@ def evaluate(units: Sequence[UnitSpecs], gpus: int, group_size: int, merge: int,
 
 def advise(model: str | ModelShapes, gpus: int, granularity: Granularity | int | str = "rows:1", *,
            max_padding: float = 0.03, merge_factors: Iterable[int] = (1, 2, 4),
-           group_sizes: Iterable[int] | None = None, itemsize: int = 4) -> Advice:
+           group_sizes: Iterable[int] | None = None, exhaustive: bool = False, itemsize: int = 4) -> Advice:
     """Recommend an HSDP group size and a unit grouping for ``model`` on ``gpus`` devices.
 
     Args:
@@ -112,6 +115,7 @@ def advise(model: str | ModelShapes, gpus: int, granularity: Granularity | int |
         max_padding: the target, a ratio of padded to buffer elements (0.03 is 3%).
         merge_factors: the numbers of adjacent decoder layers per unit to try.
         group_sizes: FSDP group sizes to try (each must divide ``gpus``); default all divisors.
+        exhaustive: evaluate every group size, not only down to the recommended one.
         itemsize: bytes per element (alignment, as in ``plan``, and the all-gather bytes).
 
     Returns:
@@ -137,7 +141,12 @@ def advise(model: str | ModelShapes, gpus: int, granularity: Granularity | int |
         raise RaggedError(f"group sizes {bad} do not divide gpus={gpus}")
     merges = sorted(set(merge_factors))
     units = model_units(model, granularity)
-    options = tuple(evaluate(units, gpus, g, k, itemsize=itemsize) for g in sizes for k in merges)
+    options: list[HsdpOption] = []
+    for g in sizes:
+        row = [evaluate(units, gpus, g, k, itemsize=itemsize) for k in merges]
+        options += row
+        if not exhaustive and row[0].padding_ratio <= max_padding:
+            break  # the smallest merge factor meets the target: the recommendation is final
     meeting = [o for o in options if o.padding_ratio <= max_padding]
     best = min(meeting, key=lambda o: (o.merge, -o.group_size), default=None)
-    return Advice(gpus, str(Granularity.parse(granularity)), max_padding, options, best)
+    return Advice(gpus, str(Granularity.parse(granularity)), max_padding, tuple(options), best)

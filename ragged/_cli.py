@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--granularity", default="rows:1", help="matrix granularity (default rows:1)")
     a.add_argument("--max-padding", default="3%", help="target, e.g. 3%% or 0.03 (default 3%%)")
     a.add_argument("--merge-factors", default="1,2,4", help="adjacent layers per unit to try")
+    a.add_argument("--all-groups", action="store_true",
+                   help="evaluate every group size, not only down to the recommended one")
     a.add_argument("--itemsize", type=int, default=4)
     a.add_argument("--json", metavar="OUT", help="write every option as JSON to OUT ('-' for stdout)")
     a.set_defaults(run=_run_advise)
@@ -174,7 +176,7 @@ def _run_advise(args: argparse.Namespace) -> int:
     target = _ratio(args.max_padding)
     merges = [_int_item(x, "--merge-factors") for x in _list(args.merge_factors, "--merge-factors")]
     advice = advise(args.model, args.gpus, args.granularity, max_padding=target, merge_factors=merges,
-                    itemsize=args.itemsize)
+                    exhaustive=args.all_groups, itemsize=args.itemsize)
     if args.json:
         _write_json(args.json, asdict(advice))
     if args.json != "-":

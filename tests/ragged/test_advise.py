@@ -25,7 +25,7 @@ def _replan(model, group_size, merge, granularity="rows:1"):
 @pytest.mark.parametrize("target", [0.0, 0.003, 0.01, 0.05])
 def test_advice_matches_independent_replans_and_rule(target):
     model = model_shapes("llama-tiny")
-    advice = advise("llama-tiny", 8, "rows:1", max_padding=target)
+    advice = advise("llama-tiny", 8, "rows:1", max_padding=target, exhaustive=True)
     measured = {(g, k): _replan(model, g, k) for g in (8, 4, 2, 1) for k in (1, 2, 4)}
     assert {(o.group_size, o.merge) for o in advice.options} == set(measured)
     for o in advice.options:
@@ -40,6 +40,11 @@ def test_advice_matches_independent_replans_and_rule(target):
     # Rule: the smallest merge factor that meets the target, then the largest group at that merge.
     assert rec.merge == min(k for _, k in meeting)
     assert not any(k == rec.merge and g > rec.group_size for g, k in meeting)
+    # Without exhaustive: the same recommendation, every group from 8 down to the recommended one.
+    short = advise("llama-tiny", 8, "rows:1", max_padding=target)
+    assert short.recommended == rec
+    assert {o.group_size for o in short.options} == {g for g in (8, 4, 2, 1) if g >= rec.group_size}
+    assert set(short.options) <= set(advice.options)
 
 
 def _toy():

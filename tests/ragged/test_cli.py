@@ -135,7 +135,8 @@ def test_argparse_errors_exit_2(capsys):
 
 
 def test_advise_json(capsys):
-    assert main(["advise", "--model", "llama-tiny", "--gpus", "4", "--max-padding", "1%", "--json", "-"]) == 0
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "4", "--max-padding", "1%", "--all-groups",
+                 "--json", "-"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["gpus"] == 4 and data["max_padding"] == 0.01
     tried = {(o["group_size"], o["merge"]) for o in data["options"]}
