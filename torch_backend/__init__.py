@@ -1,14 +1,12 @@
 """torch_backend: ragged-fsdp on PyTorch (the RaggedShard DTensor placement and the FSDP runtime).
 
-Importing the package installs the DTensor hooks that make ``RaggedShard`` work with
-``distribute_tensor``, ``redistribute``, ``full_tensor``, ops and torch.distributed.checkpoint.
+Importing the package installs the DTensor hooks (``_dtensor_hooks``) that make ``RaggedShard`` work
+with ``distribute_tensor``, ``redistribute``, ``full_tensor``, ops and torch.distributed.checkpoint.
 """
 
-from torch_backend import _dtensor_hooks
+from torch_backend import _dtensor_hooks  # noqa: F401  (importing it installs the DTensor hooks)
 from torch_backend._ops import UnsupportedRaggedOp
 from torch_backend._placement import RaggedShard
-
-_dtensor_hooks.register()
 
 __all__ = [
     "RaggedShard",

@@ -403,3 +403,6 @@ def _get_tensor_shard(self, index):
     if not has_ragged(self.placements):
         return _ORIGINAL["__get_tensor_shard__"](self, index)
     return _dcp.find(self._local_tensor, _ragged_chunks(self), index, index.fqn)
+
+
+register()

@@ -59,8 +59,10 @@ class RaggedShard(Placement):
     def from_core(core: ragged.RaggedShard) -> RaggedShard:
         return RaggedShard(core.dims, core.local_units)
 
-    def is_ragged_shard(self) -> bool:
-        return True
+    @staticmethod
+    def whole_on(root: int, world_size: int) -> RaggedShard:
+        """One device (``root``) holds the whole tensor: ``dims=()`` with one-hot units."""
+        return RaggedShard.from_core(ragged.RaggedShard.whole_on(root, world_size))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RaggedShard) and self._core == other._core

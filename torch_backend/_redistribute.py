@@ -334,10 +334,16 @@ def infer_global_numel(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[
     the units, so all of them join the same collective). Shard(0) on other mesh dims sums the boxes.
 
     Raises:
-        ragged.PlacementError: if the local numel is not a multiple of this device's units.
+        ragged.PlacementError: if the RaggedShard has more than one dim (no 1-D shape fits it) or the
+            local numel is not a multiple of this device's units.
     """
     m = ragged_mesh_dim(placements)
     core = placements[m].core
+    if len(core.dims) > 1:
+        raise ragged.PlacementError(
+            f"from_local: the global shape of a RaggedShard with dims={core.dims} cannot be inferred from "
+            "a flat local tensor (only a 1-D shape can); pass shape= and stride="
+        )
     rank = mesh.get_local_rank(m)
     units = core.local_units[rank]
     if units and local.numel() % units:

@@ -1,22 +1,24 @@
-"""Launch gloo worker processes (spawn, never fork) that run a module's checks and report back.
+"""Launch gloo worker processes (forkserver, never a fork of pytest) that run a test module's checks.
 
-One launch per (module, world size): every worker initialises a gloo process group with a short
-timeout, runs ``checks(rank, world_size)`` -- a function of the test module that returns
+One launch per (test module, world size): every worker initialises a gloo process group with a short
+timeout, loads the test module from its file, runs ``checks(rank, world_size, *args)`` -- which returns
 ``{case name: None | error text}`` -- and sends the dict back. A worker that hangs is killed when the
 launch times out, and the failure names the ranks that did not answer.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
 Results = dict[str, str | None]
+_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch_backend"]
 
 
 def _free_port() -> int:
@@ -25,8 +27,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _load(path: str):
+    """Import a test module from its file, whatever pytest's import mode."""
+    name = "_worker_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _worker(
-    module: str, fn: str, args: tuple, rank: int, world: int, port: int, timeout_s: float, queue
+    path: str, fn: str, args: tuple, rank: int, world: int, port: int, pg_timeout_s: float, out
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -34,61 +45,63 @@ def _worker(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-        checks = getattr(importlib.import_module(module), fn)
-        queue.put((rank, checks(rank, world, *args)))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s))
+        out.put((rank, getattr(_load(path), fn)(rank, world, *args)))
         dist.destroy_process_group()
-    except BaseException:  # report anything, including a failed init, instead of hanging the launcher
-        queue.put((rank, {"<worker>": traceback.format_exc()}))
+    except BaseException:  # report anything, including a failed init, instead of leaving the launcher waiting
+        out.put((rank, {"<worker>": traceback.format_exc()}))
+
+
+def _context():
+    """A forkserver whose server (a fresh process without jax) imports torch and torch_backend once.
+
+    Workers then fork from that server in well under a second instead of importing torch again
+    (several seconds each on 2 cores); pytest's own process, which may hold jax, is never forked.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def launch(
-    module: str,
-    fn: str,
-    world: int,
-    *args: object,
-    timeout_s: float = 60.0,
-    pg_timeout_s: float = 20.0,
+    path: str, fn: str, world: int, *args: object, timeout_s: float = 90.0, pg_timeout_s: float = 20.0
 ) -> list[Results]:
-    """Run ``module.fn(rank, world, *args)`` on ``world`` spawned gloo workers; return each rank's results."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    """Run ``fn(rank, world, *args)`` of the module at ``path`` on ``world`` gloo workers.
+
+    Returns:
+        Each rank's ``{case: None | error}``; a rank that died or did not answer gets a ``<worker>`` entry.
+    """
+    ctx = _context()
+    out = ctx.Queue()
     port = _free_port()
-    # Spawned children import the test module by name, so they need the tests directory on sys.path.
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, env_path) if p)
     procs = [
-        ctx.Process(target=_worker, args=(module, fn, args, r, world, port, pg_timeout_s, queue), daemon=True)
+        ctx.Process(target=_worker, args=(path, fn, args, r, world, port, pg_timeout_s, out), daemon=True)
         for r in range(world)
     ]
+    results: dict[int, Results] = {}
     try:
         for p in procs:
             p.start()
-        results: dict[int, Results] = {}
-        import queue as queue_mod
-
         while len(results) < world:
             try:
-                rank, res = queue.get(timeout=timeout_s)
+                rank, res = out.get(timeout=timeout_s)
             except queue_mod.Empty:
                 break
             results[rank] = res
     finally:
-        os.environ["PYTHONPATH"] = env_path
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
     missing = [r for r in range(world) if r not in results]
     return [
-        results.get(r, {"<worker>": f"rank {r} did not answer within {timeout_s}s (ranks {missing})"})
+        results.get(r, {"<worker>": f"rank {r} did not answer within {timeout_s}s (silent ranks {missing})"})
         for r in range(world)
     ]
 
 
 def run_cases(cases: dict[str, Callable[[], None]]) -> Results:
-    """Run every case, recording None or the traceback; a failing case does not stop the others."""
+    """Run every case, recording None or its traceback; a failing case does not stop the others."""
     out: Results = {}
     for name, case in cases.items():
         try:
@@ -111,3 +124,16 @@ def assert_case(results: list[Results], name: str) -> None:
             errors.append(f"rank {rank}:\n{res[name]}")
     if errors:
         raise AssertionError("\n".join(errors))
+
+
+class Launcher:
+    """Caches one launch per world size for a test module (its 'one process group per module')."""
+
+    def __init__(self, path: str, fn: str = "checks", *args: object) -> None:
+        self.path, self.fn, self.args = path, fn, args
+        self._results: dict[int, list[Results]] = {}
+
+    def __call__(self, world: int) -> list[Results]:
+        if world not in self._results:
+            self._results[world] = launch(self.path, self.fn, world, *self.args)
+        return self._results[world]
