@@ -10,6 +10,7 @@ from ragged._checkpoint import Checkpoint, CheckpointError, StoredTensor, load_c
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
+from ragged._model_plan import plan_model
 from ragged._placement import RaggedShard
 from ragged._planner import plan
 from ragged._presets import LLAMA_TINY, LlamaConfig, ModelShapes, UnitShapes, model_names, model_shapes
@@ -63,6 +64,7 @@ __all__ = [
     "model_names",
     "model_shapes",
     "plan",
+    "plan_model",
     "ragged_holdings",
     "replicate_holdings",
     "shard_holdings",
