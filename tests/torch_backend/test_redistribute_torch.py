@@ -34,6 +34,22 @@ def _expect_error(fn, *needles: str) -> None:
     dist.barrier()  # every rank raised before any collective: they are all still in step
 
 
+def _count_all_to_all(fn):
+    """Run ``fn`` and count the elements this rank sends to other ranks through ``all_to_all_single``."""
+    sent = []
+    original = dist.all_to_all_single
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        sent.append(sum(input_split_sizes))
+        return original(output, input, output_split_sizes, input_split_sizes, **kw)
+
+    dist.all_to_all_single = counting
+    try:
+        return fn(), sum(sent)
+    finally:
+        dist.all_to_all_single = original
+
+
 def _layout_cases(rank: int, world: int, mesh) -> dict:
     out = {}
     for c in cases(world):
@@ -82,20 +98,10 @@ def _layout_cases(rank: int, world: int, mesh) -> dict:
         def other_units(t=t, p=p, c=c):
             for other in (tuple(reversed(c.units)), c.units[1:] + c.units[:1]):
                 q = RaggedShard(c.dims, other)
-                sent = []
-                original = dist.all_to_all_single
-
-                def counting(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
-                    sent.append(sum(input_split_sizes))
-                    return original(output, input, output_split_sizes, input_split_sizes, **kw)
-
-                dist.all_to_all_single = counting
-                try:
-                    moved = distribute_tensor(t, mesh, [p]).redistribute(mesh, [q])
-                finally:
-                    dist.all_to_all_single = original
+                start = distribute_tensor(t, mesh, [p])
+                moved, sent = _count_all_to_all(lambda start=start, q=q: start.redistribute(mesh, [q]))
                 assert torch.equal(moved.to_local(), ragged_local(t, other, rank))
-                total = torch.tensor([sum(sent)])
+                total = torch.tensor([sent])
                 dist.all_reduce(total)
                 assert int(total) == moved_elements(t.numel(), c.units, other), (int(total), other)
 
