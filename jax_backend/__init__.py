@@ -16,7 +16,9 @@ from jax_backend._buffers import (
     unpack_unit,
     unshard_params,
 )
+from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend._compat import make_mesh, shard_map
+from jax_backend._redistribute import gather_tensor, scatter_tensor
 from jax_backend._step import FSDP, MixedPrecision, Stage, gather_unit
 
 __all__ = [
@@ -28,10 +30,15 @@ __all__ = [
     "check_params",
     "flatten_params",
     "fqn",
+    "gather_tensor",
     "gather_unit",
+    "load_checkpoint",
+    "load_params",
     "make_mesh",
     "pack_unit",
     "plan_units",
+    "save_checkpoint",
+    "scatter_tensor",
     "shard_map",
     "shard_params",
     "unpack_unit",

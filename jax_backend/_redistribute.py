@@ -1,0 +1,115 @@
+"""Move one tensor between its ragged pieces and a whole copy (on one root device, or on every device).
+
+For Muon-style optimizers: the update of a matrix needs the whole matrix, but FSDP leaves it in ragged
+pieces across the unit shards. These functions run inside ``shard_map`` on a unit's local shard ``(S,)``
+and execute the core's interval plans (``ragged.transfers`` between ``ragged_holdings`` of the tensor's
+``RaggedShard`` and a one-hot / replicated placement) with static-size collectives only:
+
+- to every device: one ``all_gather`` of the static window that covers every device's piece, then static
+  slices (the plan says which slice of which row goes where);
+- to one root, and back from it: one ``ppermute`` per transfer between two devices (static size, a single
+  source/destination pair), plus local copies; ``ragged_all_to_all`` would batch these where a backend has
+  it, but it is not implemented on CPU.
+
+Offsets come from the Layout (the tensor's pieces) and the plan; nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import ragged
+from ragged import Layout, RaggedShard, Transfer
+
+
+def _pieces(layout: Layout, name: str) -> dict[int, int]:
+    """Device -> where tensor ``name``'s piece starts inside that device's shard."""
+    return {rank: p.local_offset for rank in range(layout.world_size)
+            for p in layout.local_pieces(rank) if p.name == name}
+
+
+def _plan(layout: Layout, name: str, root: int | None, *, gather: bool) -> tuple[Transfer, ...]:
+    slot = layout.slot(name)
+    ragged_ = ragged.ragged_holdings(layout.placement(name), slot.shape, name)
+    if root is None:
+        whole = ragged.replicate_holdings(slot.numel, layout.world_size)
+    else:
+        whole = ragged.ragged_holdings(RaggedShard.whole_on(root, layout.world_size), slot.shape, name)
+    return ragged.transfers(ragged_, whole) if gather else ragged.transfers(whole, ragged_)
+
+
+def _execute(plan: tuple[Transfer, ...], src: jax.Array, dst: jax.Array, src_base: dict[int, int],
+             dst_base: dict[int, int], axis: str) -> jax.Array:
+    """Run ``plan``: each transfer is a static slice, a ``ppermute`` if it crosses devices, a masked write."""
+    rank = lax.axis_index(axis)
+    for t in plan:
+        a = src_base.get(t.src, 0) + t.src_offset
+        part = src[a:a + t.length]
+        if t.src != t.dst:
+            part = lax.ppermute(part, axis, [(t.src, t.dst)])
+        b = dst_base.get(t.dst, 0) + t.dst_offset
+        dst = jnp.where(rank == t.dst, dst.at[b:b + t.length].set(part), dst)  # only the receiver writes
+    return dst
+
+
+def _check(local: jax.Array, layout: Layout, name: str, root: int | None) -> None:
+    layout.slot(name)  # KeyError naming the tensor and the unit
+    if local.shape != (layout.shard_size,):
+        raise ValueError(f"{name}: local shard has shape {local.shape}, unit {layout.name!r} has "
+                         f"({layout.shard_size},) per device (call inside shard_map on the unit's shard)")
+    if root is not None and not 0 <= root < layout.world_size:
+        raise ValueError(f"{name}: root {root} is outside the {layout.world_size} devices")
+
+
+def gather_tensor(local: jax.Array, layout: Layout, name: str, axis: str, *,
+                  root: int | None = None) -> jax.Array:
+    """Tensor ``name`` whole, from its pieces in the unit's local shards (inside ``shard_map``).
+
+    Args:
+        local: this device's shard of the unit buffer, ``(S,)``.
+        layout: the unit's Layout; name: the tensor's FQN; axis: the mesh axis the unit is sharded over.
+        root: the device that receives the tensor; ``None`` gives it to every device.
+
+    Returns:
+        The tensor with its shape: correct on ``root`` (zeros on the other devices), or on every device.
+
+    Raises:
+        KeyError: ``name`` is not in the unit. ValueError: a local shard of the wrong size or a bad root.
+    """
+    _check(local, layout, name, root)
+    slot, pieces = layout.slot(name), _pieces(layout, name)
+    if root is not None:
+        flat = jnp.zeros(slot.numel, local.dtype)
+        flat = _execute(_plan(layout, name, root, gather=True), local, flat, pieces, {}, axis)
+        return flat.reshape(slot.shape)
+    plan = [t for t in _plan(layout, name, None, gather=True) if t.dst == 0]  # every device gets the same
+    lo = min(pieces[t.src] + t.src_offset for t in plan)
+    hi = max(pieces[t.src] + t.src_offset + t.length for t in plan)
+    rows = lax.all_gather(local[lo:hi], axis)  # (W, hi - lo): the window that covers every piece
+    starts = [(t, pieces[t.src] + t.src_offset - lo) for t in sorted(plan, key=lambda t: t.dst_offset)]
+    parts = [rows[t.src, a:a + t.length] for t, a in starts]
+    return jnp.concatenate(parts).reshape(slot.shape)
+
+
+def scatter_tensor(full: jax.Array, local: jax.Array, layout: Layout, name: str, axis: str, *,
+                   root: int | None = None) -> jax.Array:
+    """Write the whole tensor ``full`` back into each device's piece of ``local`` (inside ``shard_map``).
+
+    Args:
+        full: the tensor, read on ``root`` only (or on every device when ``root`` is None: no communication).
+        local: this device's shard of the unit buffer ``(S,)``; everything outside the piece is kept.
+
+    Returns:
+        ``local`` with tensor ``name``'s piece replaced.
+
+    Raises:
+        KeyError / ValueError: as ``gather_tensor``, or ``full`` without the tensor's shape.
+    """
+    _check(local, layout, name, root)
+    slot = layout.slot(name)
+    if tuple(full.shape) != slot.shape:
+        raise ValueError(f"{name}: full tensor has shape {tuple(full.shape)}, the layout has {slot.shape}")
+    plan = _plan(layout, name, root, gather=False)
+    return _execute(plan, full.reshape(-1).astype(local.dtype), local, {}, _pieces(layout, name), axis)

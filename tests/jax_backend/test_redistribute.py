@@ -1,0 +1,70 @@
+"""Ragged redistribution in JAX (to a root, to every device, and back) against numpy slicing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import ragged
+from jax_backend import make_mesh, plan_units, shard_map
+from jax_backend._redistribute import gather_tensor, scatter_tensor
+
+UNIT = ragged.model_shapes("llama-tiny").units[1]  # layers.0: nine tensors of five shapes
+
+
+def rows32(name: str, shape: tuple[int, ...]) -> str:
+    return "rows:32" if len(shape) == 2 and shape[0] % 32 == 0 else ragged.granularity_for(shape, "rows:1")
+
+
+@pytest.mark.parametrize("world, granularity", [(1, "rows:1"), (3, "rows:1"), (4, rows32), (8, "rows:1")])
+def test_gather_and_scatter_match_numpy(world, granularity):
+    (layout,) = plan_units([UNIT], world, granularity=granularity)
+    mesh = make_mesh((world,), ("fsdp",))
+    rng = np.random.default_rng(world)
+    buffer = rng.standard_normal(layout.total_numel).astype(np.float32)  # padding holds junk on purpose
+    names = [t.name for t in layout.tensors]
+    roots = {name: i % world for i, name in enumerate(names)}  # spread the roots as Muon balances load
+    new = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in layout.tensors}
+
+    def body(local, new):
+        rank = jax.lax.axis_index("fsdp")
+        out = {}
+        for name in names:
+            on_root = gather_tensor(local, layout, name, "fsdp", root=roots[name])
+            everywhere = gather_tensor(local, layout, name, "fsdp")
+            # Non-root copies of the input are garbage: the scatter must read the root's only.
+            from_root = jnp.where(rank == roots[name], new[name], jnp.nan)
+            out[name] = (on_root[None], everywhere[None],
+                         scatter_tensor(from_root, local, layout, name, "fsdp", root=roots[name]),
+                         scatter_tensor(new[name], local, layout, name, "fsdp"))
+        return out
+
+    spec = {n: (P("fsdp"), P("fsdp"), P("fsdp"), P("fsdp")) for n in names}
+    run = jax.jit(shard_map(body, mesh, in_specs=(P("fsdp"), P()), out_specs=spec))
+    got = run(buffer, new)
+    for t in layout.tensors:
+        want = buffer[t.offset:t.end].reshape(t.shape)
+        on_root, everywhere, from_root, from_all = (np.asarray(x) for x in got[t.name])
+        for rank in range(world):
+            np.testing.assert_array_equal(on_root[rank], want if rank == roots[t.name] else 0 * want)
+            np.testing.assert_array_equal(everywhere[rank], want)
+        written = buffer.copy()
+        written[t.offset:t.end] = new[t.name].ravel()
+        np.testing.assert_array_equal(from_root, written)
+        np.testing.assert_array_equal(from_all, written)
+
+
+def test_bad_calls_name_the_tensor():
+    (layout,) = plan_units([UNIT], 2)
+    with pytest.raises(ValueError, match=r"layers.0.attention.wq.weight: local shard has shape \(7,\)"):
+        gather_tensor(jnp.zeros(7), layout, "layers.0.attention.wq.weight", "fsdp")
+    with pytest.raises(ValueError, match="root 2 is outside the 2 devices"):
+        gather_tensor(jnp.zeros(layout.shard_size), layout, "layers.0.attention.wq.weight", "fsdp", root=2)
+    with pytest.raises(KeyError, match="layers.0.nope"):
+        gather_tensor(jnp.zeros(layout.shard_size), layout, "layers.0.nope", "fsdp")
+    with pytest.raises(ValueError, match=r"full tensor has shape \(3,\), the layout has \(64, 64\)"):
+        scatter_tensor(jnp.zeros(3), jnp.zeros(layout.shard_size), layout, "layers.0.attention.wq.weight",
+                       "fsdp")
