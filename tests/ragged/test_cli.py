@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ragged import model_shapes
+from ragged import Layout, model_shapes
 from ragged._cli import main
 
 
@@ -45,6 +45,7 @@ def test_plan_model_json_schema_and_layout(tmp_path, capsys):
             # Default rule: whole rows of matrices, element-wise 1-D tensors.
             assert t["block"] == (t["shape"][-1] if len(t["shape"]) >= 2 else 1)
         _check_unit_json(unit, 3)
+        assert Layout.from_dict(unit, world_size=3).shard_size == unit["shard_size"]  # docs/cli.md's recipe
     table = capsys.readouterr().out
     assert "total" in table and "fsdp2" in table and "megatron" in table and "layers.3" in table
 
