@@ -1,0 +1,58 @@
+"""One process of the two-process multi-host test (started by test_multihost.py with subprocess).
+
+Each process owns 2 host CPU devices; ``jax.distributed.initialize`` joins them into one 4-device mesh, and
+CPU collectives across processes go through gloo. The run trains llama-tiny like the single-device
+reference and saves a neutral checkpoint (process 0 writes) plus the losses.
+
+Usage: python multihost_worker.py PROCESS_ID PORT OUT_DIR
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before jax is imported
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+
+try:  # CPU collectives across processes; newer JAX versions may pick gloo by default and drop the flag
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+except (AttributeError, KeyError, ValueError):
+    pass
+
+
+def main() -> None:
+    pid, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
+                               initialization_timeout=60)
+    from flax import nnx
+    from jax_reference import BATCH, SEQ, STEPS, adamw
+
+    from jax_backend import make_mesh, save_checkpoint
+    from jax_backend.models import Llama, cross_entropy, model_params, parallelize
+
+    assert jax.device_count() == 4 and jax.local_device_count() == 2
+    import numpy as np
+
+    batches = np.random.default_rng(0).integers(0, 256, size=(STEPS, BATCH, SEQ + 1)).astype(np.int32)
+    model = Llama(rngs=nnx.Rngs(0))
+    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), remat=True)
+    opt = adamw()
+    buffers = fsdp.shard(model_params(model))
+    state = fsdp.init(opt, buffers)
+    step = fsdp.train_step(opt, cross_entropy)
+    losses = []
+    for b in batches:
+        buffers, state, loss = step(buffers, state, b[:, :-1], b[:, 1:])
+        losses.append(float(loss))
+    save_checkpoint(os.path.join(out, "ckpt"), buffers, fsdp.layouts)
+    if pid == 0:
+        with open(os.path.join(out, "losses.json"), "w") as f:
+            json.dump(losses, f)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Multi-host: two local processes joined by ``jax.distributed.initialize`` train like one device."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from jax_reference import rel_err
+
+import ragged
+
+HERE = Path(__file__).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_single_device(tmp_path, reference):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent)]),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("XLA_FLAGS", None)  # each worker sets its own device count
+    workers = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(pid), str(port),
+                                 str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+               for pid in range(2)]
+    outputs = []
+    for w in workers:
+        try:
+            outputs.append(w.communicate(timeout=120)[0].decode())
+        except subprocess.TimeoutExpired:
+            for other in workers:
+                other.kill()
+            raise
+    assert all(w.returncode == 0 for w in workers), "\n".join(o[-3000:] for o in outputs)
+    ref_losses, ref_params = reference
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert rel_err(losses, ref_losses) <= 1e-5
+    checkpoint = ragged.load_checkpoint(tmp_path / "ckpt")
+    assert [lay.world_size for lay in checkpoint.layouts] == [4] * len(checkpoint.layouts)
+    for name, want in ref_params.items():
+        assert rel_err(checkpoint.tensors[name].bits, want) <= 1e-5, name
