@@ -12,8 +12,8 @@ from __future__ import annotations
 import csv
 import math
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ragged._baselines import BASELINES, BaselineLayout, allgather_bytes, baseline_layouts
@@ -154,18 +154,17 @@ def sweep_model(model: str, world_size: int, granularity: str, *, itemsize: int 
             reduced,
         ))
     best = min((r for r in rows[1:] if r.split_blocks == 0), key=lambda r: r.padding_ratio, default=None)
-    rows[0] = SweepRow(**{
-        **asdict(rows[0]),
-        "plan_seconds": sum(c.seconds for c, _ in compared),
-        "units_worse": sum(n for c, n in compared if c.worse_than_whole_baseline()),
-        "best_whole_ratio": None if best is None else best.padding_ratio,
-        "best_whole_method": None if best is None else best.method,
-    })
+    rows[0] = replace(
+        rows[0], plan_seconds=sum(c.seconds for c, _ in compared),
+        units_worse=sum(n for c, n in compared if c.worse_than_whole_baseline()),
+        best_whole_ratio=None if best is None else best.padding_ratio,
+        best_whole_method=None if best is None else best.method,
+    )
     return rows
 
 
-def padding_sweep(models: Iterable[str] = MODELS, world_sizes: Iterable[int] = WORLD_SIZES,
-                  granularities: Iterable[str] = GRANULARITIES, *, itemsize: int = 4) -> list[SweepRow]:
+def padding_sweep(models: Sequence[str] = MODELS, world_sizes: Sequence[int] = WORLD_SIZES,
+                  granularities: Sequence[str] = GRANULARITIES, *, itemsize: int = 4) -> list[SweepRow]:
     """Figure 11's sweep: ``sweep_model`` over every model x world size x granularity.
 
     Args:

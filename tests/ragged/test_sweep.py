@@ -5,7 +5,7 @@ import csv
 import pytest
 
 from ragged import Granularity, TensorSpec, baseline_layouts, model_shapes, plan, run_sweep
-from ragged._sweep import SweepRow, fit_granularity, summary, sweep_model
+from ragged._sweep import SweepRow, fit_granularity, summary, sweep_model, sweep_units
 
 
 @pytest.mark.parametrize("shape, wanted, expect", [
@@ -83,3 +83,10 @@ def test_summary_states_the_targets():
             "rows:16 m=256: 5.00% vs fsdp2 1.00%); per unit, in 2 unit(s) over 1 configuration(s)") in md
     assert "Against Megatron-style" in md and "more padding in 1 of 3 configurations." in md
     assert "0.500 s (target <= 0.3 s: NOT met)" in md
+
+
+def test_sweep_units_counts_reduced_tensors():
+    units, reduced = sweep_units("mixtral-8x7b", "rows:16")
+    assert reduced == 32  # one router [8, 4096] per layer
+    router = units[1].tensors[4]
+    assert router.name == "layers.0.feed_forward.gate.weight" and router.block == 8 * 4096
