@@ -63,13 +63,14 @@ def earliest_starts(cur: np.ndarray, numel: int, block: int, shard: np.ndarray, 
     return place
 
 
-def place_in_order(items: Sequence[Item], order: Sequence[int], shard: int, world_size: int,
+def place_in_order(items: Sequence[Item], order: Sequence[int], shard: int, world_size: int | None,
                    align: int) -> list[int] | None:
     """Greedy earliest-start offsets for ``items`` taken in ``order``, or None if they overflow.
 
-    Empty tensors take offset 0: they hold nothing, so any aligned offset is valid.
+    Empty tensors take offset 0: they hold nothing, so any aligned offset is valid. With
+    ``world_size=None`` the buffer is unbounded, so the caller can see how far the packing reaches.
     """
-    capacity = shard * world_size
+    capacity = _capacity(shard, world_size)
     offsets = [0] * len(items)
     cur = 0
     for i in order:
@@ -113,8 +114,8 @@ def item_classes(items: Sequence[Item]) -> Classes:
     return tuple((item, tuple(members)) for item, members in groups.items())
 
 
-def place_by_class(items: Sequence[Item], classes: Classes, shard: int, world_size: int, align: int,
-                   tolerant: bool = True, rigid_first: bool = False) -> list[int] | None:
+def place_by_class(items: Sequence[Item], classes: Classes, shard: int, world_size: int | None,
+                   align: int, tolerant: bool = True, rigid_first: bool = False) -> list[int] | None:
     """List scheduling over classes: repeatedly place the class whose earliest start wastes least.
 
     Ties go to the larger tensor, then to the rigid one (its block does not divide ``shard``, so it
@@ -125,7 +126,7 @@ def place_by_class(items: Sequence[Item], classes: Classes, shard: int, world_si
     tensor would have to skip a whole window. A class with no waste ends the scan early, so a run of
     identical tensors costs one probe each. With ``rigid_first``, every rigid class ranks before
     every flexible one (a rigid tensor placed late may find no window left). Members of a class keep
-    their given order.
+    their given order. ``world_size=None`` means an unbounded buffer, as in ``place_in_order``.
     """
     def rank(c: int) -> tuple:
         (numel, block), members = classes[c]
@@ -136,7 +137,7 @@ def place_by_class(items: Sequence[Item], classes: Classes, shard: int, world_si
 
     ranked = sorted(range(len(classes)), key=rank)
     free = [math.lcm(classes[c][0][1], align) if tolerant else 1 for c in range(len(classes))]
-    capacity = shard * world_size
+    capacity = _capacity(shard, world_size)
     offsets = [0] * len(items)
     left = [len(classes[c][1]) for c in range(len(classes))]
     live = list(ranked)
@@ -165,6 +166,15 @@ def place_by_class(items: Sequence[Item], classes: Classes, shard: int, world_si
             live.remove(best)
         cur = best_p + numel
     return offsets
+
+
+def _capacity(shard: int, world_size: int | None) -> float:
+    return math.inf if world_size is None else shard * world_size
+
+
+def extent(items: Sequence[Item], offsets: Sequence[int]) -> int:
+    """Where the packed tensors end: the buffer must hold this many elements."""
+    return max((o + e for o, (e, _) in zip(offsets, items) if e), default=0)
 
 
 def orderings(items: Sequence[Item]) -> list[list[int]]:

@@ -21,6 +21,7 @@ The search, in small composable stages (docs/planner.md explains the choices):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -31,10 +32,11 @@ from ragged._baselines import megatron, megatron_offsets
 from ragged._errors import PlanningError
 from ragged._exact import exact_plan
 from ragged._granularity import Granularity
-from ragged._layout import Layout, ShardGrid, TensorSlot, TensorSpec, basic_lower_bound
+from ragged._layout import Layout, ShardGrid, TensorSlot, TensorSpec, _ceil_to, basic_lower_bound
 from ragged._packing import (
     Classes,
     Item,
+    extent,
     fits_in_order,
     item_classes,
     orderings,
@@ -43,24 +45,32 @@ from ragged._packing import (
     upper_shard_size,
 )
 
-_SCAN = 24  # grid sizes tried upward from the lower bound with every packer before binary search
+_SCAN = 8  # jumps up the grid looking for a size the packers fit
+_RESCAN = 256  # grid sizes above the bound checked with the given-order greedy at the end
 _SCHEDULES = ((True, False), (False, False), (True, True))  # place_by_class's (tolerant, rigid_first)
 _EXACT_TENSORS = 6  # units this small are also solved exactly ...
 _EXACT_SIZES = 4096  # ... unless more grid sizes than this lie between the bound and the heuristic
 
 
 def pack(items: Sequence[Item], classes: Classes, orders: Sequence[Sequence[int]], shard: int,
-         world_size: int, align: int) -> list[int] | None:
-    """Offsets from the first packer that fits at ``shard``: list scheduling, then the fixed orders."""
-    offsets = None
-    for tolerant, rigid_first in _SCHEDULES:
+         world_size: int, align: int) -> tuple[list[int] | None, int | None]:
+    """Offsets from the first packer that fits at ``shard`` (list scheduling, then the fixed orders),
+    and the least extent any packer reached (None if a tensor found no valid offset at all).
+
+    The packers run on an unbounded buffer so a miss still says how much room they needed, which
+    lets ``search_shard_size`` jump past sizes that could not hold it."""
+    runs = [lambda t=t, r=r: place_by_class(items, classes, shard, None, align, t, r) for t, r in _SCHEDULES]
+    runs += [lambda o=o: place_in_order(items, o, shard, None, align) for o in orders]
+    least = None
+    for run in runs:
+        offsets = run()
         if offsets is None:
-            offsets = place_by_class(items, classes, shard, world_size, align, tolerant, rigid_first)
-    for order in orders:
-        if offsets is not None:
-            break
-        offsets = place_in_order(items, order, shard, world_size, align)
-    return offsets
+            continue
+        reach = extent(items, offsets)
+        if reach <= shard * world_size:
+            return offsets, reach
+        least = reach if least is None else min(least, reach)
+    return None, least
 
 
 def first_fit_shard_size(items: Sequence[Item], world_size: int, align: int, *, start: int = 0,
@@ -86,37 +96,82 @@ def first_fit_shard_size(items: Sequence[Item], world_size: int, align: int, *, 
     return None
 
 
+def candidate_bases(items: Sequence[Item], shard: int, align: int) -> list[int]:
+    """Bases whose multiples make more tensors flexible (block dividing S) near ``shard``.
+
+    The paper walks the LCM prefixes of the sorted block sizes. Here: each block of a tensor that
+    must cross a boundary (numel > shard) on its own, then the LCM prefixes of those blocks taken
+    from the most common (by elements) to the least, each with ``align``.
+    """
+    weight: dict[int, int] = {}
+    for e, g in items:
+        if e > shard and g > 1:
+            weight[g] = weight.get(g, 0) + e
+    ranked = sorted(weight, key=lambda g: (-weight[g], g))
+    bases = [math.lcm(align, g) for g in ranked]
+    acc = align
+    for g in ranked:
+        acc = math.lcm(acc, g)
+        bases.append(acc)
+    return sorted(set(bases))
+
+
 def search_shard_size(items: Sequence[Item], world_size: int, align: int) -> tuple[int, list[int]]:
     """The smallest shard size the packers reach, with its offsets.
 
-    Scans the grid upward from the lower bound; after ``_SCAN`` misses it binary-searches the grid
-    up to the always-feasible ``upper_shard_size`` and then rescans the skipped sizes below the
-    answer with the given-order greedy, so the result is never above ``first_fit_shard_size``.
+    1. The lower bound itself (the first grid size): often it fits, and then it is optimal.
+    2. Jumps: after a miss, the next try is the first grid size whose buffer holds the least room
+       the packers needed, for at most ``_SCAN`` tries (else the always-feasible upper bound).
+    3. ``candidate_bases``: the first grid size above the bound that is a multiple of each base.
+    4. Every grid size between the bound and that size when there are fewer than ``_SCAN``, else
+       a binary search over them (jumps may overshoot; feasibility is only roughly monotone in S).
+    5. The given-order greedy on up to ``_RESCAN`` grid sizes just above the bound (vectorized), so
+       a size the model-order first-fit baseline reaches there is not missed.
     """
     grid = ShardGrid.build(list(items), align)
     classes = item_classes(items)
     orders = orderings(items)
     top = upper_shard_size(items, align)
-    scan = grid.take(basic_lower_bound(list(items), world_size, align), top, _SCAN)
-    for s in scan:
-        offsets = pack(items, classes, orders, s, world_size, align)
+    lowest = s = grid.next_valid(basic_lower_bound(list(items), world_size, align))
+    best: tuple[int, list[int]] | None = None
+    for _ in range(_SCAN):
+        offsets, reach = pack(items, classes, orders, s, world_size, align)
         if offsets is not None:
-            return s, offsets
-    lo, hi = scan[-1] + 1, top
-    best = (hi, place_in_order(items, range(len(items)), hi, world_size, align))
-    while lo < hi:  # over start points x; the probe is the grid size at or above x
+            best = (s, offsets)
+            break
+        # No packer fit: jump to the first size whose buffer holds the least room they needed.
+        s = grid.next_valid(max(s + 1, -(-(reach or 0) // world_size)))
+    if best is None:
+        best = (top, place_in_order(items, range(len(items)), top, world_size, align))
+    for base in candidate_bases(items, lowest, align):  # sizes where more tensors turn flexible
+        probe = grid.next_valid(_ceil_to(lowest, base))
+        offsets = pack(items, classes, orders, probe, world_size, align)[0] if probe < best[0] else None
+        if offsets is not None:
+            best = (probe, offsets)
+    between = grid.take(lowest + 1, best[0] - 1, _SCAN)
+    if len(between) < _SCAN:  # few sizes left below: try each (feasibility is not monotone)
+        for probe in between:
+            offsets = pack(items, classes, orders, probe, world_size, align)[0]
+            if offsets is not None:
+                best = (probe, offsets)
+                break
+    lo, hi = lowest + 1, best[0]
+    while lo < hi and len(between) == _SCAN:  # over start points x; the probe is the grid size >= x
         mid = (lo + hi) // 2
         probe = grid.next_valid(mid)
-        offsets = pack(items, classes, orders, probe, world_size, align) if probe < best[0] else None
+        offsets = pack(items, classes, orders, probe, world_size, align)[0] if probe < best[0] else None
         if offsets is not None:
             best = (probe, offsets)
         if probe >= best[0]:
             hi = mid
         else:
             lo = mid + 1
-    below = first_fit_shard_size(items, world_size, align, start=scan[-1] + 1, limit=best[0] - 1)
-    if below is not None:
-        best = below
+    sizes = grid.take(lowest, best[0] - 1, _RESCAN)
+    if sizes:
+        hits = np.flatnonzero(fits_in_order(items, range(len(items)), np.array(sizes), world_size, align))
+        if hits.size:
+            found = sizes[int(hits[0])]
+            best = (found, place_in_order(items, range(len(items)), found, world_size, align))
     assert best[1] is not None  # everything fits in the first shard of the upper bound
     return best[0], best[1]
 

@@ -107,6 +107,20 @@ def test_presets_reach_the_lower_bound_and_beat_megatron(model, granularity, wor
                                         for n, s in unit.tensors], world, 8)
 
 
+@pytest.mark.parametrize("model,granularity,world,unit", [
+    ("mixtral-8x7b", "rows:1", 32, 1),  # first fit lands on a multiple of 4096; candidate_bases finds it
+    ("deepseek-v3", "rows:16", 128, 4),  # a dense grid where the bound itself is infeasible
+    ("deepseek-v3", "rows:16", 8, 1),
+])
+def test_presets_never_worse_than_the_model_order_first_fit(model, granularity, world, unit):
+    shapes = model_shapes(model).units[unit]
+    specs = [TensorSpec(n, s, granularity_for(s, granularity)) for n, s in shapes.tensors]
+    layout = plan(specs, world, itemsize=2)
+    first_fit = first_fit_shard_size([(s.numel, s.block) for s in specs], world, 8,
+                                     limit=layout.shard_size - 1)
+    assert first_fit is None
+
+
 def test_deepseek_moe_layer_beats_the_model_order_greedy():
     """The issue's example: 16 rows, 1024 devices; the paper's greedy in model order pads ~12%."""
     unit = model_shapes("deepseek-v3").units[10]
