@@ -185,7 +185,7 @@ def _elementwise(op, args, kwargs, ref: Operand, out_shapes) -> Rule:
             raise _error(
                 op, ref, f"the output shape {tuple(s)} differs from the operand shape (broadcasting)"
             )
-    return Rule([None if s is None else ref.placements for s in shapes])
+    return Rule([None if s is None else ref.placements for s in shapes], reshard)
 
 
 def _foreach(op, args, kwargs, out_shapes) -> Rule:
