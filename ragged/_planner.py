@@ -4,26 +4,23 @@ Problem (veScale-FSDP, Section 5): choose a shard size S and, for every tensor, 
 of ``m * S`` elements so that tensors do not overlap, every shard boundary ``k * S`` strictly inside a
 tensor lies on one of its block edges, offsets and S are multiples of ``align``, and S is minimal.
 
-The search, in small composable stages (docs/planner.md explains the choices):
-1. ``ShardGrid`` (in ``_layout``): only shard sizes that pass the structural necessary condition
-   (every tensor of at least two shards has its block dividing S) are ever tried, starting at the
-   lower bound, so no probe is wasted on a size no packing can meet.
-2. ``pack``: the packers tried at one S. ``place_by_class`` is list scheduling over classes of
-   identical ``(numel, block)`` tensors: at each step it places the class whose earliest start
-   wastes least (rigid tensors first on ties), so flexible and small tensors fill the gaps that rigid
-   ones leave. ``place_in_order`` is the paper's greedy earliest-start placement for a fixed order
-   (exact for that order: an earlier end never hurts the tensors after it), run for the paper's
-   orders (given, by block, by size); the given order is the equal-shard first-fit baseline.
-3. ``search_shard_size``: scan the grid upward from the lower bound; past a few sizes, binary search
-   (feasibility is only roughly monotone in S), then rescan the grid below the answer with the
-   baseline's greedy so the result is never worse than ``first_fit_shard_size``.
+The search, in small stages (docs/planner.md explains the choices and measures them):
+1. ``ShardGrid`` (in ``_layout``): only sizes that pass the structural necessary condition (every
+   tensor of two shards or more has its block dividing S) are tried, from the lower bound up.
+2. ``pack``: the packers tried at one S (``_packing``): list scheduling over classes of identical
+   tensors in three variants, then the paper's greedy for its three fixed orders.
+3. ``search_shard_size``: the bound; jumps past sizes too small for the room the packers needed;
+   ``candidate_bases`` (sizes where more tensors turn flexible); a scan or binary search below the
+   best size found; the model-order first fit on the sizes just above the bound.
+4. ``plan_items``: the best of that, the exact solver on units of at most six tensors, and the
+   Megatron-FSDP-style baseline, so ``plan`` never pads more than that baseline.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,8 +42,8 @@ from ragged._packing import (
     upper_shard_size,
 )
 
-_SCAN = 8  # jumps up the grid looking for a size the packers fit
-_RESCAN = 256  # grid sizes above the bound checked with the given-order greedy at the end
+_SCAN = 8  # jumps up the grid; also: fewer sizes than this below the best are each tried
+_RESCAN = 256  # grid sizes above the bound checked with the model-order first fit at the end
 _SCHEDULES = ((True, False), (False, False), (True, True))  # place_by_class's (tolerant, rigid_first)
 _EXACT_TENSORS = 6  # units this small are also solved exactly ...
 _EXACT_SIZES = 4096  # ... unless more grid sizes than this lie between the bound and the heuristic
@@ -74,25 +71,27 @@ def pack(items: Sequence[Item], classes: Classes, orders: Sequence[Sequence[int]
 
 
 def first_fit_shard_size(items: Sequence[Item], world_size: int, align: int, *, start: int = 0,
-                         limit: int | None = None) -> tuple[int, list[int]] | None:
-    """The equal-shard first-fit baseline: the smallest valid S where the given order fits greedily.
+                         limit: int | None = None,
+                         max_sizes: int | None = None) -> tuple[int, list[int]] | None:
+    """The model-order first fit: the smallest valid S where the given order fits greedily.
 
-    Megatron-FSDP style: tensors in model order, each at its earliest start that keeps its blocks
-    whole, S grown from the lower bound (or ``start``) until they fit. Sizes off the ``ShardGrid``
-    are skipped (no packing can meet them) and sizes are checked in vectorized batches. Returns None
-    if no S ``<= limit`` fits.
+    The paper's production setting: tensors in model order, each at its earliest start that keeps
+    its blocks whole, S grown from the lower bound (or ``start``) until they fit. Sizes off the
+    ``ShardGrid`` are skipped (no packing can meet them) and sizes are checked in vectorized
+    batches. Returns None if no S ``<= limit`` fits within the first ``max_sizes`` grid sizes.
     """
     grid = ShardGrid.build(list(items), align)
     order = range(len(items))
     top = upper_shard_size(items, align) if limit is None else limit
     start = max(start, basic_lower_bound(list(items), world_size, align))
+    left = math.inf if max_sizes is None else max_sizes
     batch = 64
-    while sizes := grid.take(start, top, batch):
+    while left > 0 and (sizes := grid.take(start, top, int(min(batch, left)))):
         hits = np.flatnonzero(fits_in_order(items, order, np.array(sizes), world_size, align))
         if hits.size:
             found = sizes[int(hits[0])]
             return found, place_in_order(items, order, found, world_size, align)
-        start, batch = sizes[-1] + 1, min(4 * batch, 4096)
+        start, batch, left = sizes[-1] + 1, min(4 * batch, 4096), left - len(sizes)
     return None
 
 
@@ -116,64 +115,74 @@ def candidate_bases(items: Sequence[Item], shard: int, align: int) -> list[int]:
     return sorted(set(bases))
 
 
-def search_shard_size(items: Sequence[Item], world_size: int, align: int) -> tuple[int, list[int]]:
-    """The smallest shard size the packers reach, with its offsets.
+Fit = Callable[[int], tuple[list[int] | None, int | None]]  # shard size -> (offsets, room needed)
+Found = tuple[int, list[int]]  # (shard size, offsets)
 
-    1. The lower bound itself (the first grid size): often it fits, and then it is optimal.
-    2. Jumps: after a miss, the next try is the first grid size whose buffer holds the least room
-       the packers needed, for at most ``_SCAN`` tries (else the always-feasible upper bound).
-    3. ``candidate_bases``: the first grid size above the bound that is a multiple of each base.
-    4. Every grid size between the bound and that size when there are fewer than ``_SCAN``, else
-       a binary search over them (jumps may overshoot; feasibility is only roughly monotone in S).
-    5. The given-order greedy on up to ``_RESCAN`` grid sizes just above the bound (vectorized), so
-       a size the model-order first-fit baseline reaches there is not missed.
-    """
-    grid = ShardGrid.build(list(items), align)
-    classes = item_classes(items)
-    orders = orderings(items)
-    top = upper_shard_size(items, align)
-    lowest = s = grid.next_valid(basic_lower_bound(list(items), world_size, align))
-    best: tuple[int, list[int]] | None = None
+
+def jump_up(fit: Fit, grid: ShardGrid, lowest: int, world_size: int) -> Found | None:
+    """From the bound up: after a miss, go to the first grid size whose buffer holds the least room
+    the packers needed there (at least one size up), for at most ``_SCAN`` tries."""
+    s = lowest
     for _ in range(_SCAN):
-        offsets, reach = pack(items, classes, orders, s, world_size, align)
+        offsets, reach = fit(s)
         if offsets is not None:
-            best = (s, offsets)
-            break
-        # No packer fit: jump to the first size whose buffer holds the least room they needed.
+            return s, offsets
         s = grid.next_valid(max(s + 1, -(-(reach or 0) // world_size)))
-    if best is None:
-        best = (top, place_in_order(items, range(len(items)), top, world_size, align))
-    for base in candidate_bases(items, lowest, align):  # sizes where more tensors turn flexible
+    return None
+
+
+def refine_down(fit: Fit, grid: ShardGrid, lowest: int, best: Found, items: Sequence[Item],
+                align: int) -> Found:
+    """Smaller sizes than ``best``: the candidate bases, then every grid size in between when there
+    are fewer than ``_SCAN``, else a binary search over them (feasibility is not monotone in S)."""
+    for base in candidate_bases(items, lowest, align):
         probe = grid.next_valid(_ceil_to(lowest, base))
-        offsets = pack(items, classes, orders, probe, world_size, align)[0] if probe < best[0] else None
+        offsets = fit(probe)[0] if probe < best[0] else None
         if offsets is not None:
             best = (probe, offsets)
     between = grid.take(lowest + 1, best[0] - 1, _SCAN)
-    if len(between) < _SCAN:  # few sizes left below: try each (feasibility is not monotone)
+    if len(between) < _SCAN:
         for probe in between:
-            offsets = pack(items, classes, orders, probe, world_size, align)[0]
+            offsets = fit(probe)[0]
             if offsets is not None:
-                best = (probe, offsets)
-                break
+                return probe, offsets
+        return best
     lo, hi = lowest + 1, best[0]
-    while lo < hi and len(between) == _SCAN:  # over start points x; the probe is the grid size >= x
+    while lo < hi:  # over start points x; the probe is the grid size at or above x
         mid = (lo + hi) // 2
         probe = grid.next_valid(mid)
-        offsets = pack(items, classes, orders, probe, world_size, align)[0] if probe < best[0] else None
+        offsets = fit(probe)[0] if probe < best[0] else None
         if offsets is not None:
             best = (probe, offsets)
         if probe >= best[0]:
             hi = mid
         else:
             lo = mid + 1
-    sizes = grid.take(lowest, best[0] - 1, _RESCAN)
-    if sizes:
-        hits = np.flatnonzero(fits_in_order(items, range(len(items)), np.array(sizes), world_size, align))
-        if hits.size:
-            found = sizes[int(hits[0])]
-            best = (found, place_in_order(items, range(len(items)), found, world_size, align))
-    assert best[1] is not None  # everything fits in the first shard of the upper bound
-    return best[0], best[1]
+    return best
+
+
+def search_shard_size(items: Sequence[Item], world_size: int, align: int) -> Found:
+    """The smallest shard size the packers reach, with its offsets.
+
+    The lower bound first (when it fits it is optimal), then ``jump_up`` (else the always-feasible
+    ``upper_shard_size``), ``refine_down``, and the model-order first fit on the ``_RESCAN`` grid
+    sizes just above the bound.
+    """
+    grid = ShardGrid.build(list(items), align)
+    classes, orders = item_classes(items), orderings(items)
+
+    def fit(s: int) -> tuple[list[int] | None, int | None]:
+        return pack(items, classes, orders, s, world_size, align)
+
+    lowest = grid.next_valid(basic_lower_bound(list(items), world_size, align))
+    best = jump_up(fit, grid, lowest, world_size)
+    if best is None:
+        top = upper_shard_size(items, align)
+        best = (top, place_in_order(items, range(len(items)), top, world_size, align))
+    best = refine_down(fit, grid, lowest, best, items, align)
+    first_fit = first_fit_shard_size(items, world_size, align, start=lowest, limit=best[0] - 1,
+                                     max_sizes=_RESCAN)
+    return first_fit or best
 
 
 def plan_items(specs: Sequence[TensorSpec], world_size: int, align: int) -> tuple[int, list[int]]:
