@@ -19,7 +19,6 @@ The search, in small stages (docs/planner.md explains the choices and measures t
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -245,9 +244,3 @@ def plan(tensors: Iterable[TensorSpec | tuple | dict], world_size: int, *, align
     slots = tuple(TensorSlot(s.name, s.shape, s.block, off) for s, off in zip(specs, offsets))
     return Layout(world_size, shard, slots, align=align, name=name)
 
-
-def timed_plan(*args: Any, **kwargs: Any) -> tuple[Layout, float]:
-    """``plan`` plus its wall time in seconds."""
-    t0 = time.perf_counter()
-    layout = plan(*args, **kwargs)
-    return layout, time.perf_counter() - t0
