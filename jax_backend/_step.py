@@ -8,10 +8,11 @@ followed by a ``psum`` over the replica axis under HSDP, so each device ends wit
 its own shard. The optax update then runs on the local shards: element-wise optimizers (Adam, AdamW, SGD)
 give the same result as on the full parameters, because padding stays zero (zero gradient, zero value).
 
-Only the units in use are unsharded. With ``remat=True`` each stage (gather included) is a
-``jax.checkpoint``: the forward keeps the shard and the stage input, and the backward gathers the unit again
-(``reshard_after_forward`` in FSDP2's words). With ``remat=False`` the gathered buffers are kept from the
-forward for the backward, as FSDP2 does with ``reshard_after_forward=False``.
+Only the units in use are unsharded. With ``remat=True`` each stage is a custom VJP that keeps just the
+shard and the stage input: its backward gathers the unit again, runs the stage's VJP (recomputing its
+activations) and reduce-scatters (``reshard_after_forward`` in FSDP2's words). With ``remat=False`` the
+gathered buffers are kept from the forward for the backward, as FSDP2 does with
+``reshard_after_forward=False``.
 """
 
 from __future__ import annotations
@@ -61,25 +62,56 @@ class _Comm(NamedTuple):
     master_dtype: Any
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def gather_unit(shard: jax.Array, comm: _Comm) -> jax.Array:
-    """All-gather a unit's shard ``(S,)`` into its flat buffer ``(W * S,)`` in the compute dtype."""
+def _all_gather(shard: jax.Array, comm: _Comm) -> jax.Array:
     return lax.all_gather(shard.astype(comm.param_dtype), comm.axis, tiled=True)
 
 
-def _gather_fwd(shard: jax.Array, comm: _Comm) -> tuple[jax.Array, None]:
-    return gather_unit(shard, comm), None
-
-
-def _gather_bwd(comm: _Comm, _: None, grad: jax.Array) -> tuple[jax.Array]:
-    # The transpose of a tiled all-gather: each device receives the sum of its own slice, in reduce dtype.
+def _reduce_scatter(grad: jax.Array, comm: _Comm) -> jax.Array:
+    """The transpose of the tiled all-gather: each device receives the sum of its own slice."""
     shard_grad = lax.psum_scatter(grad.astype(comm.reduce_dtype), comm.axis, scatter_dimension=0, tiled=True)
     if comm.replica_axis is not None:
         shard_grad = lax.psum(shard_grad, comm.replica_axis)  # HSDP: reduce-scatter, then all-reduce
-    return (shard_grad.astype(comm.master_dtype),)
+    return shard_grad.astype(comm.master_dtype)
 
 
-gather_unit.defvjp(_gather_fwd, _gather_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_unit(shard: jax.Array, comm: _Comm) -> jax.Array:
+    """All-gather a unit's shard ``(S,)`` into its flat buffer ``(W * S,)`` in the compute dtype.
+
+    Its VJP is the unit's reduce-scatter (then the replica all-reduce under HSDP), in the reduce dtype.
+    """
+    return _all_gather(shard, comm)
+
+
+gather_unit.defvjp(lambda shard, comm: (_all_gather(shard, comm), None),
+                   lambda comm, _, grad: (_reduce_scatter(grad, comm),))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def run_resharded(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Array, h: Any) -> Any:
+    """``apply(unit params, h)`` on the gathered unit, keeping only ``(shard, h)`` for the backward.
+
+    The backward gathers the unit again, runs the stage's VJP and reduce-scatters: the unsharded buffer
+    lives during this stage's forward and its backward only (``reshard_after_forward``).
+    """
+    return apply(unpack_unit(_all_gather(shard, comm), layout), h)
+
+
+def _resharded_fwd(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Array, h: Any) -> tuple:
+    return run_resharded(apply, layout, comm, shard, h), (shard, h)
+
+
+def _resharded_bwd(apply: Callable, layout: Layout, comm: _Comm, res: tuple, grad: Any) -> tuple:
+    shard, h = res
+    # Tie the shard to the incoming gradient so that the compiler cannot hoist the re-gather to the
+    # forward's (identical) gather and keep every unit unsharded after all.
+    shard, grad = lax.optimization_barrier((shard, grad))
+    _, vjp = jax.vjp(lambda full, x: apply(unpack_unit(full, layout), x), _all_gather(shard, comm), h)
+    full_grad, h_grad = vjp(grad)
+    return _reduce_scatter(full_grad, comm), h_grad
+
+
+run_resharded.defvjp(_resharded_fwd, _resharded_bwd)
 
 
 @dataclass(frozen=True)
@@ -172,11 +204,10 @@ class FSDP:
             comm = _Comm(self.axis, self.replica_axis, self.mp.param_dtype or master,
                          self.mp.reduce_dtype or master, master)
 
-            def run(shard: jax.Array, h: Any, stage: Stage = stage, layout: Layout = layout,
-                    comm: _Comm = comm) -> Any:
-                return stage.apply(unpack_unit(gather_unit(shard, comm), layout), h)
-
-            h = (jax.checkpoint(run) if self.remat else run)(local[layout.name], h)
+            if self.remat:
+                h = run_resharded(stage.apply, layout, comm, local[layout.name], h)
+            else:
+                h = stage.apply(unpack_unit(gather_unit(local[layout.name], comm), layout), h)
         return h
 
     def train_step(self, optimizer: optax.GradientTransformation,
