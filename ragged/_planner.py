@@ -193,19 +193,30 @@ def plan_items(specs: Sequence[TensorSpec], world_size: int, align: int) -> tupl
         found = exact_plan(items, world_size, align, limit=shard - 1, max_sizes=_EXACT_SIZES)
         if found is not None:
             shard, offsets = found
-    megatron_shard = megatron(specs, world_size, align).shard_size
-    if megatron_shard < shard:
-        shard, offsets = megatron_shard, megatron_offsets(specs, align)[0]
+    # Megatron's shards are whole chunks of lcm(align, blocks) holding every element: when ours is
+    # no larger than the smallest such size, its layout cannot beat ours and is not computed.
+    chunk = math.lcm(align, *(g for e, g in items if e))
+    used = sum(e for e, _ in items)
+    if shard > max(1, -(-used // (world_size * chunk))) * chunk:
+        megatron_shard = megatron(specs, world_size, align).shard_size
+        if megatron_shard < shard:
+            shard, offsets = megatron_shard, megatron_offsets(specs, align)[0]
     return shard, offsets
 
 
-def _as_spec(t: Any, default: Granularity) -> TensorSpec:
+def _as_spec(t: Any, default: Granularity, index: int, unit: str) -> TensorSpec:
+    """A ``TensorSpec`` from a spec, a ``{"name", "shape"[, "granularity"]}`` dict or a
+    ``(name, shape[, granularity])`` tuple."""
     if isinstance(t, TensorSpec):
         return t
-    if isinstance(t, dict):
+    if isinstance(t, dict) and "name" in t and "shape" in t:
         return TensorSpec(t["name"], tuple(t["shape"]), t.get("granularity", default))
-    name, shape, *rest = t
-    return TensorSpec(name, tuple(shape), rest[0] if rest else default)
+    if isinstance(t, (tuple, list)) and len(t) in (2, 3) and isinstance(t[1], (tuple, list)):
+        return TensorSpec(t[0], tuple(t[1]), t[2] if len(t) == 3 else default)
+    raise PlanningError(
+        f"unit {unit!r}: tensor #{index} ({t!r}) is not a TensorSpec, a dict with 'name' and 'shape', "
+        f"or a (name, shape[, granularity]) tuple"
+    )
 
 
 def plan(tensors: Iterable[TensorSpec | tuple | dict], world_size: int, *, align: int | None = None,
@@ -235,7 +246,8 @@ def plan(tensors: Iterable[TensorSpec | tuple | dict], world_size: int, *, align
         align = max(1, 16 // itemsize)
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise PlanningError(f"unit {name!r}: align must be an int >= 1, got {align!r}")
-    specs = [_as_spec(t, Granularity.parse(granularity)) for t in tensors]
+    default = Granularity.parse(granularity)
+    specs = [_as_spec(t, default, i, name) for i, t in enumerate(tensors)]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if names.count(n) > 1})

@@ -186,3 +186,16 @@ def test_empty_and_zero_size_units():
     layout = plan([("z", (0, 5)), ("one", (1,))], 3, align=1)
     check_layout(layout.to_dict(), [("z", (0, 5), 1), ("one", (1,), 1)], 3, 1)
     assert layout.shard_size == 1 and math.isclose(layout.padding_ratio, 2 / 3)
+
+
+@pytest.mark.parametrize("bad", [("a",), {"name": "a"}, 7, ("a", 4)])
+def test_malformed_tensor_entries_are_named(bad):
+    with pytest.raises(PlanningError, match=r"unit 'u': tensor #1 .* is not a TensorSpec"):
+        plan([("ok", (2,)), bad], 2, name="u")
+
+
+def test_tensor_entry_forms_agree():
+    forms = [[TensorSpec("a", (4, 2), "rows:2")], [("a", (4, 2), "rows:2")], [("a", [4, 2], "rows:2")],
+             [{"name": "a", "shape": [4, 2], "granularity": "rows:2"}], [("a", (4, 2))]]
+    layouts = [plan(f, 3, granularity="rows:2") for f in forms]
+    assert all(layout == layouts[0] for layout in layouts)
