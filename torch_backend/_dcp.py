@@ -14,13 +14,8 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-try:  # torch moved TensorProperties between releases
-    from torch.distributed.checkpoint.metadata import TensorProperties
-except ImportError:  # pragma: no cover - older layout
-    from torch.distributed.checkpoint.planner import TensorProperties
 
 
 class Chunk(NamedTuple):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -55,30 +56,11 @@ def register() -> None:
     """Install the hooks once; calling it again does nothing.
 
     Raises:
-        RuntimeError: on a torch outside 2.11..2.13 whose internals no longer match.
+        RuntimeError: on a torch older than 2.11, or one that lacks an internal the hooks wrap.
     """
     if _ORIGINAL:
         return
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    missing = [
-        n
-        for n, obj in (
-            ("redistribute_local_tensor", getattr(dt_redistribute, "redistribute_local_tensor", None)),
-            ("compute_global_tensor_info", getattr(dt_api, "compute_global_tensor_info", None)),
-            (
-                "propagate_op_sharding_non_cached",
-                getattr(ShardingPropagator, "propagate_op_sharding_non_cached", None),
-            ),
-            ("_custom_op_handlers", getattr(DTensor._op_dispatcher, "_custom_op_handlers", None)),
-        )
-        if obj is None
-    ]
-    if missing:
-        raise RuntimeError(
-            f"torch_backend supports torch {_SUPPORTED[0]}..{_SUPPORTED[1]}; torch {torch.__version__} "
-            f"lacks the DTensor internals {missing} that RaggedShard hooks into"
-        )
-    del version  # checked through the internals above, which is what matters
+    _check_torch()
     _ORIGINAL["redistribute_local_tensor"] = dt_redistribute.redistribute_local_tensor
     dt_redistribute.redistribute_local_tensor = _redistribute_local_tensor
     dt_dispatch.redistribute_local_tensor = _redistribute_local_tensor
@@ -111,6 +93,36 @@ def register() -> None:
     ):
         _ORIGINAL[attr] = getattr(DTensor, attr)
         setattr(DTensor, attr, hook)
+
+
+def _check_torch() -> None:
+    """Refuse torch < 2.11, warn above 2.13, and fail loudly if a hooked internal has moved."""
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version < _SUPPORTED[0]:
+        raise RuntimeError(
+            f"torch_backend needs torch >= 2.11 (DTensor's C++ dispatch); found {torch.__version__}"
+        )
+    if version > _SUPPORTED[1]:
+        warnings.warn(
+            f"torch_backend's DTensor hooks are tested on torch 2.11..2.13, not {torch.__version__}",
+            stacklevel=3,
+        )
+    missing = [
+        name
+        for name, owner in (
+            ("redistribute_local_tensor", dt_redistribute),
+            ("compute_global_tensor_info", dt_api),
+            ("propagate_op_sharding_non_cached", ShardingPropagator),
+            ("_custom_op_handlers", DTensor._op_dispatcher),
+            ("_dispatch_get_local_results_slow_path", DTensor._op_dispatcher),
+            ("__create_write_items__", DTensor),
+        )
+        if not hasattr(owner, name)
+    ]
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__} lacks the DTensor internals {missing} that RaggedShard hooks into"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -176,7 +188,7 @@ def make_dtensor(
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
-def _native_redistribute(local: torch.Tensor, spec: DTensorSpec):
+def _native_redistribute(spec: DTensorSpec):
     def native(x: torch.Tensor, src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> torch.Tensor:
         return _ORIGINAL["redistribute_local_tensor"](
             x,
@@ -206,7 +218,7 @@ def _redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, *
         shape,
         current_spec.placements,
         target_spec.placements,
-        native=_native_redistribute(local_tensor, current_spec),
+        native=_native_redistribute(current_spec),
         boxes=lambda placements: boxes(shape, mesh, placements),
     )
 

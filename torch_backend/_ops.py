@@ -156,9 +156,20 @@ def _reduced(op, x: Operand, kind: Any) -> tuple[Placement, ...]:
     return tuple(out)
 
 
+def _mutates_self(op) -> bool:
+    alias = op._schema.arguments[0].alias_info if op._schema.arguments else None
+    return bool(alias is not None and alias.is_write)
+
+
 def _elementwise(op, args, kwargs, ref: Operand, out_shapes) -> Rule:
+    leaves = pytree.tree_leaves(args)
+    if _mutates_self(op) and isinstance(leaves[0], Operand) and leaves[0] != ref:
+        # Resharding self would mutate a copy and relabel the original: refuse instead.
+        raise _error(
+            op, leaves[0], f"an in-place op's self must already have the placements {ref.placements}"
+        )
     reshard = {}
-    for i, x in enumerate(pytree.tree_leaves(args)):
+    for i, x in enumerate(leaves):
         if not isinstance(x, Operand) or x == ref or _is_scalar(x):
             continue
         if (

@@ -96,6 +96,7 @@ def test_rules_keep_ragged_for_elementwise_and_reshard_replicate() -> None:
         (aten.add.Tensor, "x_y", "must share"),
         (aten.add.Tensor, "x_row", "(4,)"),
         (aten.add.Tensor, "x_partial", "Partial"),
+        (aten.copy_.default, "rep_x", "in-place"),
     ],
 )
 def test_unsupported_rules_name_op_and_placement(op, args, needle) -> None:
@@ -105,6 +106,7 @@ def test_unsupported_rules_name_op_and_placement(op, args, needle) -> None:
         "x_y": (x, _ops.Operand((3, 4), (_rs((1, 2)),))),
         "x_row": (x, _ops.Operand((4,), (Replicate(),))),
         "x_partial": (x, _ops.Operand((3, 4), (Partial(),))),
+        "rep_x": (_ops.Operand((3, 4), (Replicate(),)), x),
     }
     with pytest.raises(UnsupportedRaggedOp) as err:
         _ops.rule(op, others[args], {}, (3, 4))
