@@ -5,10 +5,13 @@ with ``distribute_tensor``, ``redistribute``, ``full_tensor``, ops and torch.dis
 """
 
 from torch_backend import _dtensor_hooks  # noqa: F401  (importing it installs the DTensor hooks)
+from torch_backend._neutral_checkpoint import load_neutral_checkpoint, save_neutral_checkpoint
 from torch_backend._ops import UnsupportedRaggedOp
 from torch_backend._placement import RaggedShard
 
 __all__ = [
     "RaggedShard",
     "UnsupportedRaggedOp",
+    "load_neutral_checkpoint",
+    "save_neutral_checkpoint",
 ]
