@@ -34,6 +34,10 @@ def _expect_error(fn, *needles: str) -> None:
     dist.barrier()  # every rank raised before any collective: they are all still in step
 
 
+def _op_names(comm: CommDebugMode) -> list[str]:
+    return sorted(str(op) for op, n in comm.get_comm_counts().items() for _ in range(n))
+
+
 def _count_all_to_all(fn):
     """Run ``fn`` and count the elements this rank sends to other ranks through ``all_to_all_single``."""
     sent = []
@@ -91,9 +95,10 @@ def _layout_cases(rank: int, world: int, mesh) -> dict:
             pieces = [t * (r + 1) - r for r in range(world)]  # sums exactly to the reference below
             part = DTensor.from_local(pieces[rank], mesh, [Partial()], shape=t.shape, stride=t.stride())
             total = sum(pieces[1:], pieces[0])
-            assert torch.equal(
-                part.redistribute(mesh, [p]).to_local(), ragged_local(total, p.local_units, rank)
-            )
+            with CommDebugMode() as comm:
+                scattered = part.redistribute(mesh, [p])
+            assert _op_names(comm) == ["c10d._reduce_scatter_base_"], comm.get_comm_counts()
+            assert torch.equal(scattered.to_local(), ragged_local(total, p.local_units, rank))
 
         def other_units(t=t, p=p, c=c):
             for other in (tuple(reversed(c.units)), c.units[1:] + c.units[:1]):
@@ -246,6 +251,21 @@ def _mesh_2d_cases(rank: int, world: int, mesh2) -> dict:
 
         out[f"2d:{name}:layout"] = layout
         out[f"2d:{name}:single_dims"] = single_dims
+
+    def hsdp_reduce_scatter():
+        # HSDP gradients: the Partial mesh dim of (Replicate, Partial) turns ragged in one reduce-scatter.
+        t = full((8, 6), 5)
+        pieces = [t * (r + 1) for r in range(2)]
+        part = DTensor.from_local(
+            pieces[coord[1]], mesh2(), (Replicate(), Partial()), shape=t.shape, stride=t.stride()
+        )
+        p = RaggedShard((0,), (3, 5))
+        with CommDebugMode() as comm:
+            scattered = part.redistribute(mesh2(), (Replicate(), p))
+        assert _op_names(comm) == ["c10d._reduce_scatter_base_"], comm.get_comm_counts()
+        assert torch.equal(scattered.to_local(), ragged_local(pieces[0] + pieces[1], p.local_units, coord[1]))
+
+    out["2d:hsdp_reduce_scatter"] = hsdp_reduce_scatter
 
     def ragged_on_two_mesh_dims():
         p = RaggedShard((0,), (4, 4))
