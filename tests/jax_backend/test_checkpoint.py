@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 import ragged
-from jax_backend import LayoutMismatchError, make_mesh, plan_units, shard_params, unshard_params
+from jax_backend import LayoutMismatchError, fqn, make_mesh, plan_units, shard_params, unshard_params
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
-from torch_backend._neutral_checkpoint import load_neutral_checkpoint, save_neutral_checkpoint
+from jax_backend.models import Llama, parallelize
+from torch_backend import load_neutral_checkpoint, save_neutral_checkpoint
+from torch_backend.models import Llama as TorchLlama
 
 UNITS = ragged.model_shapes("llama-tiny").units
 
 
 def torch_state_dict(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A llama-tiny state dict with random values (NaN and -0.0 included, to test bits, not values)."""
-    g = torch.Generator().manual_seed(0)
-    sd = {name: torch.randn(shape, generator=g).to(dtype) for u in UNITS for name, shape in u.tensors}
+    """The torch llama-tiny's state dict, with a NaN and a -0.0 planted (bits are tested, not values)."""
+    model = TorchLlama()
+    model.init_weights(0)
+    sd = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
     sd["norm.weight"][:2] = torch.tensor([float("nan"), -0.0])
     return sd
 
@@ -44,6 +49,23 @@ def test_torch_jax_torch_round_trip_is_bit_exact_with_resharding(tmp_path, dtype
         assert bits(back[name]) == bits(value), name
         assert np.asarray(resharded[name]).tobytes() == bits(value), name
     assert ragged.load_checkpoint(tmp_path / "from_jax").layouts == layouts3
+
+
+def test_torch_weights_give_the_same_logits_in_flax(tmp_path):
+    """Same architecture: the torch model's weights, through a checkpoint, give flax the same logits."""
+    torch_model = TorchLlama()
+    torch_model.init_weights(0)
+    save_neutral_checkpoint(tmp_path / "ck", torch_model)
+    fsdp = parallelize(Llama(rngs=nnx.Rngs(1)), make_mesh((2,), ("fsdp",)))
+    params = fsdp.unshard(load_checkpoint(tmp_path / "ck", fsdp.layouts, fsdp.mesh, fsdp.axis))
+    tokens = np.random.default_rng(0).integers(0, 256, size=(2, 16))
+    model = Llama(rngs=nnx.Rngs(1))
+    graphdef, state = nnx.split(model, nnx.Param)
+    names = [fqn(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), [params[n] for n in names])
+    got = np.asarray(nnx.merge(graphdef, state)(tokens))
+    want = torch_model(torch.from_numpy(tokens)).detach().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_load_into_torch_module_and_dtensor(tmp_path):
