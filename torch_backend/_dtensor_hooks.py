@@ -25,6 +25,7 @@ Hooks (the torch function each wraps):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
@@ -36,7 +37,7 @@ import torch.distributed.tensor._api as dt_api
 import torch.distributed.tensor._dispatch as dt_dispatch
 import torch.distributed.tensor._redistribute as dt_redistribute
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._ops._math_ops import _NormPartial
@@ -140,8 +141,15 @@ def boxes(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement
     Uses torch's own ``_compute_local_shape_and_global_offset``, which skips placements that are not
     Shard, so a RaggedShard (and Replicate/Partial) leave the box whole on their mesh dims.
     """
-    shape = tuple(shape)
-    mine = mesh.get_coordinate()
+    shape, placements = tuple(shape), tuple(placements)
+    if not any(isinstance(p, Shard) for p in placements):
+        return shape, [shape]  # every 1-D FSDP mesh: the box is the tensor
+    return _shard_boxes(shape, mesh, placements, tuple(mesh.get_coordinate() or ()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_boxes(shape, mesh, placements, mine):
+    # Every box on the mesh is checked on every rank, so all ranks raise the same error (no hang).
     everything = sorted(
         {
             tuple(_compute_local_shape_and_global_offset(shape, mesh.shape, list(c), placements)[0])
@@ -149,11 +157,11 @@ def boxes(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement
         }
     )
     own = (
-        tuple(_compute_local_shape_and_global_offset(shape, mesh.shape, mine, placements)[0])
+        _compute_local_shape_and_global_offset(shape, mesh.shape, list(mine), placements)[0]
         if mine
         else shape
     )
-    return own, everything
+    return tuple(own), everything
 
 
 def box_offset(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], coordinate):
