@@ -1,4 +1,4 @@
-"""One process of the two-process multi-host test (started by test_multihost.py with subprocess).
+"""One process of the two-process multi-host test (started by test_jax_multihost.py with subprocess).
 
 Each process owns 2 host CPU devices; ``jax.distributed.initialize`` joins them into one 4-device mesh, and
 CPU collectives across processes go through gloo. The run trains llama-tiny like the single-device
