@@ -134,6 +134,7 @@ class Unit:
         self._unsynced_grads = False  # the unsharded gradient buffer holds grads of unsynced backwards
         self._grads_left = 0  # params whose gradient has not landed yet in this backward
         self._version = -1  # the unsharded buffer's version once filled (to detect user writes)
+        self._keep_version: torch.autograd._unsafe_preserve_version_counter | None = None
         self.post_backward_callback = None  # set by the hooks: called when all gradients landed
 
     # ----- registration ---------------------------------------------------------------------------
@@ -164,6 +165,10 @@ class Unit:
             self.compute.alloc_full()
             if self.compute is not self.master:
                 self.compute.copy_(self.master.shard)  # the mixed-precision cast: one kernel per unit
+            # The all-gather refills memory that autograd saved in forward (reshard_after_forward) with
+            # the same values, so the version counter guarding saved tensors must not move: remember it
+            # now and restore it once the collective is done (gloo bumps it when the work completes).
+            self._keep_version = torch.autograd._unsafe_preserve_version_counter(self.compute.full)
             self._pending_all_gather = all_gather(self.compute.full, self.compute.shard, self.shard_group,
                                                   unit=self.name)
         if not async_op:
@@ -174,6 +179,8 @@ class Unit:
         if self._pending_all_gather is not None:
             pending, self._pending_all_gather = self._pending_all_gather, None
             pending.wait()
+            with self._keep_version:  # restores the version remembered at issue
+                pass
             self._version = self.compute.full._version
         if self.state is UnitState.SHARDED:
             self._register(self.unsharded)
