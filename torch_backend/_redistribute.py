@@ -286,6 +286,14 @@ def redistribute(
     src, dst = tuple(src), tuple(dst)
     for placements in (src, dst):
         validate(placements, mesh, shape, boxes(placements)[1], name)
+    m_src = ragged_mesh_dim(src)
+    if m_src is not None:
+        expected = src[m_src].core.local_numel(boxes(src)[0], mesh.get_local_rank(m_src))
+        if local.numel() != expected:
+            raise ragged.PlacementError(
+                f"{name}: this rank's local tensor has {local.numel()} elements but {src[m_src]} gives it "
+                f"{expected} (was it built with DTensor.from_local from another layout?)"
+            )
     if src == dst:
         return local
     diff = [i for i in range(mesh.ndim) if src[i] != dst[i]]
@@ -294,7 +302,6 @@ def redistribute(
         box = boxes(tuple(Replicate() if i == m else p for i, p in enumerate(src)))[0]
         return redistribute_dim(local, box, src[m], dst[m], mesh, m)
     cur, cur_placements = local, list(src)
-    m_src = ragged_mesh_dim(src)
     if m_src is not None:
         cur = redistribute_dim(cur, boxes(src)[0], src[m_src], Replicate(), mesh, m_src)
         cur_placements[m_src] = Replicate()

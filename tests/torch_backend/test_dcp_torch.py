@@ -25,11 +25,19 @@ _TENSORS = {
     "vector": ((7,), (0,), 7),
     "blocks": ((5, 3, 6, 7), (0, 1), 5),
 }
+# name -> (shape, seed, placements on the (2, 2) mesh): tensor/expert parallel boxes and HSDP replicas.
+_TENSORS_2D = {
+    "tp": ((8, 6), 3, (Shard(0), RaggedShard((0,), (1, 3)))),
+    "hsdp": ((8, 6), 4, (Replicate(), RaggedShard((0,), (3, 5)))),
+}
 _SAVE_WORLD = 4
 _TARGETS = ("ragged", "shard0", "replicate", "plain")
 
 
 def _reference(name: str) -> torch.Tensor:
+    if name in _TENSORS_2D:
+        shape, seed, _ = _TENSORS_2D[name]
+        return full(shape, seed)
     return full(_TENSORS[name][0], seed=len(name))
 
 
@@ -44,8 +52,8 @@ def save_checks(rank: int, world: int, path: str) -> dict:
 
     def save():
         state = {n: distribute_tensor(_reference(n), mesh, [_saved_placement(n, world)]) for n in _TENSORS}
-        # A 2-D layout: Shard(0) boxes of 4 rows, each cut by ragged rows.
-        state["tp"] = distribute_tensor(full((8, 6), 3), mesh2, (Shard(0), RaggedShard((0,), (1, 3))))
+        for n, (_, _, placements) in _TENSORS_2D.items():
+            state[n] = distribute_tensor(_reference(n), mesh2, placements)
         dcp.save(state, checkpoint_id=path)
 
     return run_cases({"save": save})
@@ -53,10 +61,10 @@ def save_checks(rank: int, world: int, path: str) -> dict:
 
 def _target(kind: str, name: str, shape, mesh, world: int, rank: int):
     """(empty tensor to load into, expected local after loading)."""
-    ref = _reference(name) if name != "tp" else full((8, 6), 3)
+    ref = _reference(name)
     zeros = torch.zeros(shape)
     if kind == "ragged":
-        dims, total = ((0,), 8) if name == "tp" else _TENSORS[name][1:]
+        dims, total = ((0,), 8) if name in _TENSORS_2D else _TENSORS[name][1:]
         p = RaggedShard(dims, units_for("multinomial", total, world, seed=11))
         return distribute_tensor(zeros, mesh, [p]), ragged_local(ref, p.local_units, rank)
     if kind == "shard0":
@@ -68,7 +76,7 @@ def _target(kind: str, name: str, shape, mesh, world: int, rank: int):
 
 def load_checks(rank: int, world: int, path: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
-    shapes = {n: s for n, (s, _, _) in _TENSORS.items()} | {"tp": (8, 6)}
+    shapes = {n: s for n, (s, _, _) in (_TENSORS | _TENSORS_2D).items()}
 
     def load(kind: str):
         targets = {n: _target(kind, n, shapes[n], mesh, world, rank) for n in shapes}
@@ -86,7 +94,7 @@ def load_checks(rank: int, world: int, path: str) -> dict:
             placements = (RaggedShard((0,), (2, 2)), Shard(1))  # boxes of 3 columns cut into 4-row halves
             t = distribute_tensor(torch.zeros(8, 6), mesh2, placements)
             dcp.load({"tp": t}, checkpoint_id=path)
-            box = chunk_local(full((8, 6), 3), 1, 2, coord[1]).contiguous()
+            box = chunk_local(_reference("tp"), 1, 2, coord[1]).contiguous()
             assert torch.equal(t.to_local(), ragged_local(box, (2, 2), coord[0]))
 
         cases["load:2d"] = load_2d
@@ -119,7 +127,7 @@ def test_load_into_2d_layout(saved: str) -> None:
     assert_case(_loaded(4, saved), "load:2d")
 
 
-@pytest.mark.parametrize("name", list(_TENSORS) + ["tp"])
+@pytest.mark.parametrize("name", list(_TENSORS) + list(_TENSORS_2D))
 def test_saved_chunks_tile_each_tensor_once(saved: str, name: str) -> None:
     """Every element is covered by exactly one saved box (what the split into regular boxes must give)."""
     meta = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata[name]

@@ -178,6 +178,12 @@ def _error_cases(rank: int, world: int, mesh) -> dict:
         dt = distribute_tensor(t, mesh, [Replicate()])
         _expect_error(lambda: dt.redistribute(mesh, [RaggedShard((0,), (2,) * world)]), "divisible")
 
+    def local_of_the_wrong_size():
+        p = RaggedShard((0,), (25,) + (0,) * (world - 1))
+        local = torch.zeros(ragged_local(t, p.local_units, rank).numel() + 1)
+        dt = DTensor.from_local(local, mesh, [p], shape=t.shape, stride=t.stride())
+        _expect_error(dt.full_tensor, "elements but")
+
     def non_prefix_dims():
         _expect_error(lambda: RaggedShard((1,), (1,) * world), "prefix")
 
@@ -187,6 +193,7 @@ def _error_cases(rank: int, world: int, mesh) -> dict:
             units_of_wrong_length,
             units_that_do_not_divide,
             redistribute_to_units_that_do_not_divide,
+            local_of_the_wrong_size,
             non_prefix_dims,
         )
     }
