@@ -34,7 +34,7 @@ def _resharded(model: nn.Module) -> None:
             state.unit.reshard()  # the modules then hold the sharded parameters
 
 
-def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
     """``{"model.<fqn>": sharded param, "optim.<fqn>.<key>": state tensor}``; views, no copies."""
     _resharded(model)
     out: dict[str, torch.Tensor] = {}
@@ -47,7 +47,8 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     return out
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def save_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
     """Save ``model`` (and ``optimizer``) to the directory ``path`` from every rank, atomically.
 
     Raises:
@@ -56,25 +57,28 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """
     path = Path(path)
     if path.exists():
-        raise CheckpointError(f"save: checkpoint {str(path)!r} exists already; save to a new directory")
+        raise CheckpointError(f"save_checkpoint: checkpoint {str(path)!r} exists already; save to a new "
+                              "directory")
     partial = path.with_name(path.name + ".partial")
     rank = dist.get_rank()
     try:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left by an earlier run that died while saving
         dist.barrier()
-        dcp.save(state_dict(model, optimizer), checkpoint_id=str(partial))
+        dcp.save(sharded_state_dict(model, optimizer), checkpoint_id=str(partial))
         # dcp.save returns once the metadata is written, which the coordinator does after every rank wrote.
         dist.barrier()
         if rank == 0:
             os.rename(partial, path)
         dist.barrier()
     except Exception as e:
-        raise CheckpointError(f"save: writing checkpoint {str(path)!r} failed on rank {rank}: {e}") from e
+        raise CheckpointError(f"save_checkpoint: writing checkpoint {str(path)!r} failed on rank {rank}: "
+                              f"{e}") from e
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a checkpoint written by ``save`` (at any world size) in place into ``model``'s local shards.
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint written by ``save_checkpoint`` (at any world size) in place into ``model``'s local shards.
 
     The optimizer's per-parameter state is created with the parameters' placements (tensors shaped like
     the parameter) or as plain scalars, then filled from the checkpoint; its hyperparameters are the ones
@@ -85,10 +89,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """
     path = Path(path)
     if not (path / ".metadata").exists():
-        raise CheckpointError(f"load: {str(path)!r} is not a complete checkpoint (no .metadata)")
+        raise CheckpointError(f"load_checkpoint: {str(path)!r} is not a complete checkpoint (no .metadata)")
     try:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        target = state_dict(model)
+        target = sharded_state_dict(model)
         fresh: dict[str, tuple[nn.Parameter, str]] = {}
         if optimizer is not None:
             for fqn, p in model.named_parameters():
@@ -100,7 +104,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         dcp.load(target, checkpoint_id=str(path))
     except Exception as e:
         rank = dist.get_rank()
-        raise CheckpointError(f"load: reading checkpoint {str(path)!r} failed on rank {rank}: {e}") from e
+        raise CheckpointError(f"load_checkpoint: reading checkpoint {str(path)!r} failed on rank {rank}: "
+                              f"{e}") from e
     for key, (p, name) in fresh.items():
         optimizer.state[p][name] = target[key]
 
