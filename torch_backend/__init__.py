@@ -5,13 +5,13 @@ with ``distribute_tensor``, ``redistribute``, ``full_tensor``, ops and torch.dis
 """
 
 from torch_backend import _dtensor_hooks  # noqa: F401  (importing it installs the DTensor hooks)
-from torch_backend._neutral_checkpoint import load_neutral_checkpoint, save_neutral_checkpoint
-from torch_backend._ops import UnsupportedRaggedOp
-from torch_backend._placement import RaggedShard
 from torch_backend._api import MixedPrecisionPolicy
 from torch_backend._collectives import CollectiveError
 from torch_backend._debug import DebugCounter, debug_counter
 from torch_backend._fully_shard import FSDPModule, clip_grad_norm_, fully_shard, plan_module, unsharded
+from torch_backend._neutral_checkpoint import load_neutral_checkpoint, save_neutral_checkpoint
+from torch_backend._ops import UnsupportedRaggedOp
+from torch_backend._placement import RaggedShard
 from torch_backend._state_dict import CheckpointError, load_checkpoint, save_checkpoint
 
 __all__ = [

@@ -34,7 +34,8 @@ def _resharded(model: nn.Module) -> None:
             state.unit.reshard()  # the modules then hold the sharded parameters
 
 
-def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+def sharded_state_dict(model: nn.Module,
+                       optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
     """``{"model.<fqn>": sharded param, "optim.<fqn>.<key>": state tensor}``; views, no copies."""
     _resharded(model)
     out: dict[str, torch.Tensor] = {}
@@ -78,7 +79,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a checkpoint written by ``save_checkpoint`` (at any world size) in place into ``model``'s local shards.
+    """Load a ``save_checkpoint`` checkpoint (of any world size) in place into ``model``'s local shards.
 
     The optimizer's per-parameter state is created with the parameters' placements (tensors shaped like
     the parameter) or as plain scalars, then filled from the checkpoint; its hyperparameters are the ones
