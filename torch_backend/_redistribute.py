@@ -325,7 +325,8 @@ def _box_local(src: tuple[Placement, ...], dst: tuple[Placement, ...], m: int) -
     s, d = src[m], dst[m]
     if not (isinstance(s, RaggedShard) or isinstance(d, RaggedShard)):
         return False
-    if isinstance(d, Partial):
+    if isinstance(d, Partial) or (isinstance(s, Partial) and type(s) is not Partial):
+        # Partial subclasses (norm partials, masked partials) reduce in their own way: torch's path.
         return False
     shard = s if isinstance(s, Shard) else d if isinstance(d, Shard) else None
     if shard is None:

@@ -188,7 +188,15 @@ def _reduction_cases(rank: int, world: int, mesh) -> dict:
                         got, torch.linalg.vector_norm(a, order, dim=d, keepdim=True), f"norm {order} dim {d}"
                     )
 
+        def norm_partial_to_ragged(a=a, p=p, inside=inside):
+            # A partial norm (not a sum) must be reduced by its own rule before it is cut.
+            x = distribute_tensor(a, mesh, [p])
+            n = torch.linalg.vector_norm(x, dim=inside)
+            target = RaggedShard((), (1,) + (0,) * (world - 1))
+            _close(n.redistribute(mesh, [target]), torch.linalg.vector_norm(a, dim=inside), "norm partial")
+
         out[f"{c.name}:reductions"] = reductions
+        out[f"{c.name}:norm_partial_to_ragged"] = norm_partial_to_ragged
         out[f"{c.name}:norms"] = norms
 
     def clip_grad_norm(foreach: bool):
