@@ -1,0 +1,300 @@
+"""What the fully_shard tests run: a single-process reference and the checks each gloo worker runs.
+
+``reference()`` trains llama-tiny in one process (plain modules, ``torch.optim.AdamW``,
+``torch.nn.utils.clip_grad_norm_``). The workers train the same model, data and seed under
+``fully_shard`` and send back, from rank 0, the global losses and the final full parameters
+(``DTensor.full_tensor()``, the placement's own gather, not the runtime's). Each check builds a fresh
+model, so one launch per world size runs several of them (``tests/torch_backend/_dist.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from ragged import LLAMA_TINY
+
+B, T, STEPS, SAVE_AT = 12, 16, 10, 5  # 12 rows split evenly over 1, 2, 3 and 4 ranks
+LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 0
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (B, T + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def reference() -> dict:
+    """Single-process training: losses of every step, parameters after SAVE_AT steps and at the end."""
+    from torch_backend.models import Llama, cross_entropy
+
+    model = Llama()
+    model.init_weights(SEED)
+    opt = optimizer(model)
+    out = {"losses": []}
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        if step + 1 == SAVE_AT:
+            out["params_at_save"] = {n: p.detach().clone().numpy() for n, p in model.named_parameters()}
+    out["params"] = {n: p.detach().clone().numpy() for n, p in model.named_parameters()}
+    return out
+
+
+# ----- helpers run inside the workers ---------------------------------------------------------------
+def _sharded_model(mesh, seed: int = SEED, **kwargs) -> torch.nn.Module:
+    from torch_backend.models import Llama, parallelize
+
+    model = Llama()
+    model.init_weights(seed)
+    return parallelize(model, mesh, **kwargs)
+
+
+def _train(model, opt, steps: range, dp_rank: int, dp_size: int, micro: int = 1,
+           on_step: Callable[[int], None] | None = None) -> list[float]:
+    """Train on this data-parallel rank's rows; returns the global mean loss of each step."""
+    from torch_backend._fully_shard import clip_grad_norm_
+    from torch_backend.models import cross_entropy
+
+    losses = []
+    rows = B // dp_size
+    for step in steps:
+        x, y = batch(step)
+        x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+        total = torch.zeros(())
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            model.set_requires_gradient_sync(i == micro - 1)  # reduce once, after the last micro-batch
+            loss = cross_entropy(model(xm), ym) / micro
+            loss.backward()
+            total += loss.detach()
+        clip_grad_norm_(model, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+        if on_step is not None:
+            on_step(step)
+    return losses
+
+
+def _full_params(model) -> dict[str, np.ndarray]:
+    return {n: p.full_tensor().detach().clone().numpy() for n, p in model.named_parameters()}
+
+
+def _run(checks: dict[str, Callable[[], object]]) -> dict:
+    """Run every check; a failing one records its traceback and the others still run."""
+    out = {}
+    for name, check in checks.items():
+        try:
+            out[name] = check()
+        except BaseException:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+# ----- the checks of one launch ---------------------------------------------------------------------
+def parity_checks(rank: int, world: int, ckpt_dir: str) -> dict:
+    """fp32 parity at every world size, plus the extra checks a world size hosts."""
+    mesh = init_device_mesh("cpu", (world,))
+
+    def fp32() -> dict:
+        model = _sharded_model(mesh)
+        opt = optimizer(model)
+        save = None
+        if world == 4:  # the checkpoint that the 2-rank launch resumes from
+            from torch_backend import save_checkpoint
+
+            def save(step: int) -> None:
+                if step + 1 == SAVE_AT:
+                    save_checkpoint(Path(ckpt_dir) / "step5", model, opt)
+        losses = _train(model, opt, range(STEPS), rank, world, on_step=save)
+        return {"losses": losses, "params": _full_params(model)}
+
+    checks = {"fp32": fp32}
+    if world == 4:
+        checks |= {"counter": lambda: _counter(mesh), "bf16": lambda: _bf16(mesh),
+                   "hsdp": lambda: _hsdp(rank)}
+    if world == 2:
+        checks |= {"accumulate": lambda: _accumulate(mesh, rank),
+                   "resume": lambda: _resume(mesh, rank, ckpt_dir), "errors": lambda: _errors(mesh, rank)}
+    if world == 3:
+        checks |= {"meta_init": lambda: _meta_init(mesh), "layouts": lambda: _layouts(mesh)}
+    return _run(checks)
+
+
+def _counter(mesh) -> dict:
+    """Per-unit collectives and copy bytes of one steady-state step, for both reshard settings."""
+    from torch_backend._debug import debug_counter
+    from torch_backend._fully_shard import units
+
+    out = {}
+    for reshard in (False, True):
+        model = _sharded_model(mesh, reshard_after_forward=reshard)
+        opt = optimizer(model)
+        _train(model, opt, range(2), mesh.get_rank(), mesh.size())  # warm-up: optimizer state exists
+        with debug_counter() as c:
+            _train(model, opt, range(2, 3), mesh.get_rank(), mesh.size())
+        out[f"reshard={reshard}"] = {
+            "all_gather": c.per_unit("all_gather"), "reduce_scatter": c.per_unit("reduce_scatter"),
+            "all_reduce": c.per_unit("all_reduce"), "copy_bytes": c.copy_bytes, "cast_bytes": c.cast_bytes,
+            "bytes": dict(c.bytes), "units": [u.name for u in units(model)],
+            "padded_numel": {u.name: u.layout.total_numel for u in units(model)},
+        }
+    return out
+
+
+def _bf16(mesh) -> dict:
+    from torch_backend import MixedPrecisionPolicy
+
+    model = _sharded_model(mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    opt = optimizer(model)
+    losses = _train(model, opt, range(STEPS), mesh.get_rank(), mesh.size())
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return {"losses": losses, "params": _full_params(model), "master_dtypes": dtypes}
+
+
+def _hsdp(rank: int) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _sharded_model(mesh)
+    opt = optimizer(model)
+    losses = _train(model, opt, range(STEPS), rank, 4)
+    return {"losses": losses, "params": _full_params(model),
+            "placements": str(next(iter(model.parameters())).placements)}
+
+
+def _accumulate(mesh, rank: int) -> dict:
+    model = _sharded_model(mesh)
+    opt = optimizer(model)
+    losses = _train(model, opt, range(STEPS), rank, mesh.size(), micro=2)
+    return {"losses": losses, "params": _full_params(model)}
+
+
+def _resume(mesh, rank: int, ckpt_dir: str) -> dict:
+    """Load the 4-rank checkpoint of step 5 into a differently initialised 2-rank model, train on."""
+    from torch_backend import load_checkpoint
+
+    model = _sharded_model(mesh, seed=123)
+    opt = optimizer(model)
+    load_checkpoint(Path(ckpt_dir) / "step5", model, opt)
+    loaded = _full_params(model)
+    losses = _train(model, opt, range(SAVE_AT, STEPS), rank, mesh.size())
+    return {"loaded": loaded, "losses": losses, "params": _full_params(model)}
+
+
+def _errors(mesh, rank: int) -> dict:
+    """Bad input raises the same clear error on every rank, before any collective (no hang after)."""
+    from torch_backend import fully_shard
+    from torch_backend.models import Llama
+
+    messages = {}
+
+    def expect(name: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception as e:  # the test checks the type and the message
+            messages[name] = f"{type(e).__name__}: {e}"
+        else:
+            messages[name] = "no error"
+
+    model = Llama()
+    expect("granularity", lambda: fully_shard(model.layers[0], mesh=mesh, granularity="rows:7"))
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).double())
+    expect("dtypes", lambda: fully_shard(mixed, mesh=mesh))
+    ints = torch.nn.Module()
+    ints.weight = torch.nn.Parameter(torch.ones(4, dtype=torch.int64), requires_grad=False)
+    expect("int", lambda: fully_shard(ints, mesh=mesh))
+    fully_shard(model.layers[1], mesh=mesh)
+    expect("twice", lambda: fully_shard(model.layers[1], mesh=mesh))
+    expect("mesh3d", lambda: fully_shard(model.layers[2], mesh=init_device_mesh("cpu", (2, 1, 1))))
+    dist.barrier()  # every rank got here: nobody is stuck in a collective
+    return messages
+
+
+def _meta_init(mesh) -> dict:
+    """Built on meta, sharded, then initialised through ``unsharded``: bit-equal to a CPU init."""
+    from torch_backend import unsharded
+    from torch_backend.models import Llama, parallelize
+
+    with torch.device("meta"):
+        model = Llama()
+    parallelize(model, mesh)
+    with unsharded(model):
+        model.init_weights(SEED)
+    plain = Llama()
+    plain.init_weights(SEED)
+    expected = dict(plain.named_parameters())
+    return {n: bool(torch.equal(p.full_tensor(), expected[n])) for n, p in model.named_parameters()}
+
+
+def _layouts(mesh) -> dict:
+    """Each unit's runtime Layout equals the pure ``plan_module`` of its modules under the model."""
+    from torch_backend import plan_module
+    from torch_backend._fully_shard import units
+    from torch_backend.models import Llama
+
+    model = _sharded_model(mesh)
+    plain = Llama()
+    groups = {"tok_embeddings": [plain.tok_embeddings], "output": [plain.norm, plain.output],
+              **{f"layers.{i}": [b] for i, b in enumerate(plain.layers)}}
+    return {u.name: u.layout == plan_module(groups[u.name], mesh.size(), root=plain)
+            for u in units(model)}
+
+
+# ----- faults ---------------------------------------------------------------------------------------
+def fault_checks(rank: int, world: int, ckpt_dir: str, how: str) -> dict:
+    """Rank ``world - 1`` dies (``kill``: ``os._exit``; ``raise``: an exception) in the middle of a step,
+    or (``kill_saving``) while writing a checkpoint; the others report what they saw.
+    """
+    from torch_backend import save_checkpoint
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _sharded_model(mesh)
+    opt = optimizer(model)
+    _train(model, opt, range(1), rank, world)
+    save_checkpoint(Path(ckpt_dir) / "complete", model, opt)
+    victim = rank == world - 1
+
+    if how == "kill_saving":
+        if victim:
+            import torch.distributed.checkpoint as dcp
+
+            def die(*args, **kwargs):
+                os._exit(1)  # killed while its files are being written
+
+            dcp.FileSystemWriter.write_data = die
+        target = "saving"
+        step = lambda: save_checkpoint(Path(ckpt_dir) / "torn", model, opt)  # noqa: E731
+    else:
+        if victim:
+            def fail(*_):
+                if how == "kill":
+                    os._exit(1)
+                raise RuntimeError("injected failure on the last rank")
+
+            model.layers[2].register_forward_pre_hook(fail)
+        target = "training"
+        step = lambda: _train(model, opt, range(1, 2), rank, world)  # noqa: E731
+
+    t0 = time.perf_counter()
+    try:
+        step()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0, "during": target}
+    return {"error": None, "seconds": time.perf_counter() - t0, "during": target}

@@ -1,0 +1,141 @@
+"""fully_shard on gloo matches single-process training of llama-tiny.
+
+One launch per world size (1, 2, 3, 4) runs several checks on fresh models: fp32 parity everywhere;
+bf16 mixed precision, HSDP on a (2, 2) mesh, the debug counter and a checkpoint at 4 ranks; gradient
+accumulation, resuming the 4-rank checkpoint and bad-input errors at 2; meta-device init and layouts at 3.
+Parameters are compared per tensor by ``||a - b|| / ||b||`` (Adam turns last-bit differences of tiny
+gradients into visible but tiny steps, so an elementwise relative error says little).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import _fsdp_workers as W
+import numpy as np
+import pytest
+from _dist import launch
+
+WORKERS = str(Path(W.__file__))
+FP32_RTOL = 1e-5
+BF16_RTOL = 2e-2  # a few bf16 epsilons (2^-8) after 10 steps
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return W.reference()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("fsdp_ckpt"))
+
+    @functools.cache
+    def get(world: int) -> list[dict]:
+        if world == 2:
+            get(4)  # the 2-rank launch resumes from the checkpoint the 4-rank launch writes
+        return launch(WORKERS, "parity_checks", world, ckpt, timeout_s=150)
+
+    return get
+
+
+def result(results: list[dict], name: str) -> dict:
+    """Rank 0's result of check ``name``, after failing on any rank's error."""
+    errors = []
+    for rank, res in enumerate(results):
+        if "<worker>" in res:
+            errors.append(f"rank {rank}: worker failed:\n{res['<worker>']}")
+        elif not isinstance(res.get(name), dict) or "error" in res[name]:
+            errors.append(f"rank {rank}: {name}: {res.get(name)}")
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results[0][name]
+
+
+def assert_params_close(got: dict, want: dict, rtol: float) -> None:
+    assert got.keys() == want.keys()
+    errors = {n: float(np.linalg.norm(got[n] - want[n]) / np.linalg.norm(want[n])) for n in want}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= rtol, f"{worst}: relative error {errors[worst]:.3g} > {rtol}"
+
+
+def assert_losses_close(got: list[float], want: list[float], rtol: float) -> None:
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fp32_matches_single_process(run, reference, world):
+    r = result(run(world), "fp32")
+    assert_losses_close(r["losses"], reference["losses"], FP32_RTOL)
+    assert_params_close(r["params"], reference["params"], FP32_RTOL)
+
+
+def test_bf16_mixed_precision_within_bf16_tolerance(run, reference):
+    r = result(run(4), "bf16")
+    assert r["master_dtypes"] == ["torch.float32"]  # the sharded master stays fp32
+    assert_losses_close(r["losses"], reference["losses"], BF16_RTOL)
+    assert_params_close(r["params"], reference["params"], BF16_RTOL)
+    assert r["losses"] != reference["losses"]  # it did compute in bf16
+
+
+def test_hsdp_2x2_matches_single_process(run, reference):
+    r = result(run(4), "hsdp")
+    assert "Replicate()" in r["placements"] and "RaggedShard" in r["placements"]
+    assert_losses_close(r["losses"], reference["losses"], FP32_RTOL)
+    assert_params_close(r["params"], reference["params"], FP32_RTOL)
+
+
+def test_gradient_accumulation_matches_one_large_batch(run, reference):
+    r = result(run(2), "accumulate")
+    assert_losses_close(r["losses"], reference["losses"], FP32_RTOL)
+    assert_params_close(r["params"], reference["params"], FP32_RTOL)
+
+
+def test_checkpoint_saved_at_4_ranks_resumes_at_2(run, reference):
+    four = result(run(4), "fp32")
+    r = result(run(2), "resume")
+    assert_params_close(r["loaded"], reference["params_at_save"], FP32_RTOL)
+    assert_losses_close(r["losses"], four["losses"][W.SAVE_AT:], FP32_RTOL)
+    assert_losses_close(r["losses"], reference["losses"][W.SAVE_AT:], FP32_RTOL)
+    assert_params_close(r["params"], four["params"], FP32_RTOL)
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_debug_counter_one_all_gather_and_one_reduce_scatter_per_unit(run, reshard):
+    c = result(run(4), "counter")[f"reshard={reshard}"]
+    units = c["units"]
+    assert units == ["tok_embeddings", *[f"layers.{i}" for i in range(4)], "output"]
+    # Without resharding after forward every unit is gathered once per step; with it, every unit but
+    # the root is gathered again for backward (the root here holds no parameters of its own).
+    assert c["all_gather"] == {u: 1 if not reshard else 2 for u in units}
+    assert c["reduce_scatter"] == {u: 1 for u in units}
+    assert c["all_reduce"] == {"clip_grad_norm_": 1}
+    assert c["copy_bytes"] == 0 and c["cast_bytes"] == 0
+    padded = sum(c["padded_numel"].values()) * 4  # fp32 buffers, padding included
+    assert c["bytes"]["reduce_scatter"] == padded
+    assert c["bytes"]["all_gather"] == padded * (2 if reshard else 1)
+
+
+def test_bad_input_raises_on_every_rank_before_communicating(run):
+    results = run(2)
+    messages = [result(results, "errors")] + [res["errors"] for res in results[1:]]
+    assert all(m == messages[0] for m in messages)  # the same error on every rank, then a barrier passed
+    m = messages[0]
+    assert m["granularity"].startswith("GranularityError") and "layers.0" not in m["granularity"]
+    assert "attention.wq.weight" in m["granularity"] and "rows:7" in m["granularity"]
+    assert m["dtypes"].startswith("ValueError") and "torch.float64" in m["dtypes"]
+    assert m["int"].startswith("ValueError") and "'weight'" in m["int"] and "torch.int64" in m["int"]
+    assert m["twice"].startswith("ValueError") and "already sharded" in m["twice"]
+    assert m["mesh3d"].startswith("ValueError") and "3-D" in m["mesh3d"]
+
+
+def test_meta_device_init_is_bit_equal_to_single_process_init(run):
+    r = result(run(3), "meta_init")
+    assert len(r) == 1 + 9 * 4 + 2 and all(r.values()), [n for n, ok in r.items() if not ok]
+
+
+def test_runtime_layouts_equal_plan_module(run):
+    r = result(run(3), "layouts")
+    assert sorted(r) == sorted(["tok_embeddings", "output", *[f"layers.{i}" for i in range(4)]])
+    assert all(r.values()), r
