@@ -36,7 +36,7 @@ def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-def reference() -> dict:
+def reference(steps: int = STEPS) -> dict:
     """Single-process training: losses of every step, parameters after SAVE_AT steps and at the end."""
     from torch_backend.models import Llama, cross_entropy
 
@@ -44,7 +44,7 @@ def reference() -> dict:
     model.init_weights(SEED)
     opt = optimizer(model)
     out = {"losses": []}
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = batch(step)
         loss = cross_entropy(model(x), y)
         loss.backward()

@@ -1,0 +1,76 @@
+"""A rank that dies or raises mid-step, or dies while a checkpoint is written.
+
+The survivors must end with an error naming the collective (and unit) they were in, within the process
+group's timeout, and a checkpoint torn by the failure must never replace the last complete one.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+from pathlib import Path
+
+import _dist
+import _fsdp_workers as W
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+WORKERS = str(Path(W.__file__))
+PG_TIMEOUT_S = 5.0
+WORLD = 2
+
+
+def launch_survivors(fn: str, *args: object, answers: int, timeout_s: float = 60.0) -> dict[int, object]:
+    """Like ``_dist.launch``, but returns once ``answers`` ranks answered (a killed rank never does)."""
+    ctx = _dist._context()
+    out = ctx.Queue()
+    port = _dist._free_port()
+    procs = [ctx.Process(target=_dist._worker, args=(WORKERS, fn, args, r, WORLD, port, PG_TIMEOUT_S, out),
+                         daemon=True) for r in range(WORLD)]
+    results: dict[int, object] = {}
+    try:
+        for p in procs:
+            p.start()
+        while len(results) < answers:
+            try:
+                rank, res = out.get(timeout=timeout_s)
+            except queue.Empty:
+                break
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_survivor_names_the_collective_within_the_timeout(tmp_path, how):
+    results = launch_survivors("fault_checks", str(tmp_path), how, answers=WORLD if how == "raise" else 1)
+    survivor = results[0]
+    assert isinstance(survivor, dict) and survivor.get("during") == "training", survivor
+    error = survivor["error"]
+    assert error is not None and error.startswith("CollectiveError"), error
+    assert re.search(r"(all_gather|reduce_scatter) of unit '(tok_embeddings|layers\.\d|output)' .* on rank 0",
+                     error), error
+    assert survivor["seconds"] < PG_TIMEOUT_S + 2
+    if how == "raise":
+        assert "injected failure on the last rank" in results[1]["error"]
+
+
+def test_checkpoint_torn_by_a_dead_rank_leaves_the_previous_one_loadable(tmp_path):
+    survivor = launch_survivors("fault_checks", str(tmp_path), "kill_saving", answers=1)[0]
+    assert survivor["during"] == "saving" and survivor["error"].startswith("CheckpointError"), survivor
+    assert "torn" in survivor["error"] and survivor["seconds"] < PG_TIMEOUT_S + 2
+    assert not (tmp_path / "torn").exists()  # never renamed into place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["complete", "torn.partial"]
+    # The complete checkpoint loads without any process group into plain full tensors.
+    want = W.reference(steps=1)["params"]
+    state = {f"model.{n}": torch.zeros(v.shape) for n, v in want.items()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "complete"))
+    for n, v in want.items():
+        got = state[f"model.{n}"].numpy()
+        assert np.linalg.norm(got - v) <= 1e-5 * np.linalg.norm(v), n
