@@ -1,0 +1,159 @@
+"""fully_shard's pieces in one process: plan_module, DBuffer views, the FSDPModule API, prefetch.
+
+Planning and DBuffers need no process group. The module API runs on a one-rank gloo group created in
+this process (no fork), which is enough to see states, views and prefetch decisions.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import ragged
+from torch_backend import MixedPrecisionPolicy, fully_shard, plan_module
+from torch_backend._dbuffer import DBuffer
+from torch_backend._unit import UnitState
+from torch_backend.models import Llama, cross_entropy, parallelize
+
+UNIT_GROUPS = {
+    "tok_embeddings": lambda m: [m.tok_embeddings],
+    **{f"layers.{i}": (lambda m, i=i: [m.layers[i]]) for i in range(4)},
+    "output": lambda m: [m.norm, m.output],
+}
+
+
+def _meta_llama() -> Llama:
+    with torch.device("meta"):
+        return Llama()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_plan_module_equals_the_jax_backend_layouts(world):
+    from jax_backend import plan_units
+
+    model = _meta_llama()
+    want = plan_units(ragged.model_shapes("llama-tiny").units, world)
+    got = tuple(plan_module(group(model), world, root=model) for group in UNIT_GROUPS.values())
+    assert got == want
+
+
+def test_plan_module_names_and_granularity():
+    model = _meta_llama()
+    relative = plan_module(model.layers[1], 4)
+    assert [t.name for t in relative.tensors][:2] == ["attention.wq.weight", "attention.wk.weight"]
+    assert [t.name for t in plan_module([model.norm, model.output], 4).tensors] == ["0.weight", "1.weight"]
+    rows16 = plan_module(model.layers[1], 4, "rows:16", root=model)
+    for t in rows16.tensors:  # matrices in blocks of 16 whole rows, vectors element-wise
+        assert t.block == (16 * t.shape[-1] if len(t.shape) == 2 else 1), t
+    seen = []
+    by_fn = plan_module(model.layers[1], 4, lambda name, p: seen.append(name) or "whole")
+    assert all(t.block == t.numel for t in by_fn.tensors) and seen[0] == "attention.wq.weight"
+    with pytest.raises(ragged.GranularityError, match="feed_forward.w1.weight.*rows:32"):
+        plan_module(model.layers[1], 4, "rows:32")  # 176 rows are not a multiple of 32
+    with pytest.raises(ValueError, match="not inside root"):
+        plan_module(model.layers[1], 4, root=model.layers[0])
+
+
+def test_dbuffer_views_share_its_storage_and_survive_free():
+    layout = ragged.plan([("a", (5, 3), "rows:1"), ("b", (7,)), ("c", (2, 4), "rows:1")], 3, align=1)
+    buf = DBuffer(layout, 1, torch.float32, torch.device("cpu"))
+    assert not buf.full_allocated
+    lo, hi = layout.shard_range(1)
+    for piece in layout.local_pieces(1):
+        view = buf.shard_view(piece.name)
+        assert view.untyped_storage().data_ptr() == buf.shard.untyped_storage().data_ptr()
+        assert view.storage_offset() == piece.local_offset and view.numel() == piece.stop - piece.start
+        assert buf.local_range(piece.name) == (piece.start, piece.stop)
+    held = {p.name for p in layout.local_pieces(1)}
+    for t in layout.tensors:
+        if t.name not in held:
+            assert buf.shard_view(t.name).numel() == 0
+    buf.alloc_full()
+    values = torch.arange(layout.total_numel, dtype=torch.float32)
+    buf.full.copy_(values)
+    for t in layout.tensors:
+        assert torch.equal(buf.full_view(t.name).reshape(-1), values[t.offset:t.end])
+    buf.free_full()
+    assert buf.full.untyped_storage().size() == 0
+    buf.alloc_full()
+    buf.full.fill_(2.0)
+    assert torch.equal(buf.full_view("a"), torch.full((5, 3), 2.0))  # the old views see the new storage
+    buf.shard.copy_(torch.arange(float(layout.shard_size)))
+    expect = torch.linalg.vector_norm(torch.arange(float(layout.shard_size)))
+    torch.testing.assert_close(buf.norm(), expect)
+    with pytest.raises(KeyError, match="'d'"):
+        buf.shard_view("d")
+
+
+def test_mixed_precision_policy_validates_and_resolves():
+    policy = MixedPrecisionPolicy(torch.bfloat16)
+    assert policy.compute_dtype(torch.float32) == torch.bfloat16
+    assert policy.reduction_dtype(torch.float32) == torch.bfloat16
+    assert MixedPrecisionPolicy(torch.bfloat16, torch.float32).reduction_dtype(torch.float32) == torch.float32
+    assert MixedPrecisionPolicy().compute_dtype(torch.float32) == torch.float32
+    with pytest.raises(TypeError, match="param_dtype"):
+        MixedPrecisionPolicy(torch.int32)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_sharded_parameters_and_gradients_are_views_into_the_buffers(mesh):
+    model = parallelize(Llama(), mesh)
+    block = model.layers[0]
+    unit = block._fsdp_state.unit
+    x = torch.randint(0, 256, (2, 8))
+    cross_entropy(model(x), x).backward()
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    for ref, p in zip(unit.refs, unit.sharded):
+        assert ref.module._parameters[ref.attr] is p  # sharded again after backward
+        assert storage(p.to_local()) == storage(unit.master.shard)
+        assert storage(p.grad.to_local()) == storage(unit.main_grad.shard)
+    assert not unit.compute.full_allocated and not unit.grads.full_allocated  # freed after backward
+
+
+def test_unshard_reshard_and_prefetch(mesh):
+    model = parallelize(Llama(), mesh)
+    unit = model.layers[2]._fsdp_state.unit
+    assert unit.state is UnitState.SHARDED
+    handle = model.layers[2].unshard(async_op=True)
+    handle.wait()
+    assert unit.state is UnitState.UNSHARDED and unit.compute.full_allocated
+    assert type(model.layers[2].attention.wq.weight) is torch.nn.Parameter  # the unsharded view
+    model.layers[2].reshard()
+    assert unit.state is UnitState.SHARDED and not unit.compute.full_allocated
+
+    seen = {}
+    model.layers[0].set_modules_to_forward_prefetch([model.layers[2]])
+
+    def look(*_):
+        seen["layers.2 when layers.1 starts"] = (unit.state is UnitState.UNSHARDED
+                                                 or unit._pending_all_gather is not None)
+
+    model.layers[1].register_forward_pre_hook(look)
+    model(torch.randint(0, 256, (2, 8)))
+    assert seen == {"layers.2 when layers.1 starts": True}
+    with pytest.raises(TypeError, match="is not sharded"):
+        model.layers[0].set_modules_to_backward_prefetch([torch.nn.Linear(2, 2)])
+
+
+def test_fully_shard_a_list_and_the_root_names_units_by_fqn(mesh):
+    model = Llama()
+    fully_shard([model.norm, model.output], mesh=mesh)
+    assert model.output._fsdp_state is model.norm._fsdp_state
+    assert [r.name for r in model.output._fsdp_state.unit.refs] == ["0.weight", "1.weight"]
+    fully_shard(model, mesh=mesh)
+    unit = model.output._fsdp_state.unit
+    assert unit.name == "output" and [r.name for r in unit.refs] == ["norm.weight", "output.weight"]
+    assert unit.layout == plan_module([model.norm, model.output], 1, root=model)
