@@ -103,9 +103,11 @@ def _resharded_fwd(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Arra
 
 def _resharded_bwd(apply: Callable, layout: Layout, comm: _Comm, res: tuple, grad: Any) -> tuple:
     shard, h = res
-    # Tie the shard to the incoming gradient so that the compiler cannot hoist the re-gather to the
-    # forward's (identical) gather and keep every unit unsharded after all.
-    shard, grad = lax.optimization_barrier((shard, grad))
+    # Make the re-gather depend on the incoming gradient. Otherwise XLA sees the forward's identical
+    # all-gather and merges the two (XLA:CPU drops optimization barriers first), which would keep every
+    # unit unsharded from its forward to its backward. The added value is a (signed) zero, NaN-safe.
+    first = jax.tree.leaves(grad)[0].ravel()[0]
+    shard = shard + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(shard.dtype)
     _, vjp = jax.vjp(lambda full, x: apply(unpack_unit(full, layout), x), _all_gather(shard, comm), h)
     full_grad, h_grad = vjp(grad)
     return _reduce_scatter(full_grad, comm), h_grad
