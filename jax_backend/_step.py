@@ -158,6 +158,7 @@ class FSDP:
 
     @property
     def data_size(self) -> int:
+        """Devices the batch is split over."""
         size = 1
         for a in self.data_axes:
             size *= self.mesh.shape[a]
