@@ -11,6 +11,7 @@ from ragged._errors import GranularityError, PlacementError, PlanningError, Ragg
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
 from ragged._model_plan import plan_model
+from ragged._muon_roots import NS_COEFFS, NS_STEPS, assign_roots, newton_schulz_cost
 from ragged._placement import RaggedShard
 from ragged._planner import plan
 from ragged._presets import LLAMA_TINY, LlamaConfig, ModelShapes, UnitShapes, model_names, model_shapes
@@ -24,8 +25,20 @@ from ragged._redistribute import (
 )
 from ragged._shapes_file import UnitSpecs, model_units, parse_shapes, read_shapes_file
 from ragged._sweep import SweepRow, padding_sweep, run_sweep
+from ragged._tiles import TILE, BlockTable, TileError, block_ids, block_table, check_tiles_local, tile_grid
 
 __all__ = [
+    "NS_COEFFS",
+    "NS_STEPS",
+    "TILE",
+    "BlockTable",
+    "TileError",
+    "assign_roots",
+    "block_ids",
+    "block_table",
+    "check_tiles_local",
+    "newton_schulz_cost",
+    "tile_grid",
     "Checkpoint",
     "CheckpointError",
     "StoredTensor",

@@ -1,0 +1,112 @@
+"""Quantization tiles (ragged._tiles) and Muon root balancing (ragged._muon_roots) against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import ragged
+from ragged._muon_roots import assign_roots, newton_schulz_cost
+from ragged._tiles import TileError, block_ids, block_table, check_tiles_local, local_block_ids, tile_grid
+
+
+def _tile_of_every_element(shape, tile):
+    """Brute force: label each element of the 2-D view with its tile's row-major index."""
+    cols = shape[-1]
+    rows = math.prod(shape) // cols
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    return ((r // tile[0]) * (cols // tile[1]) + c // tile[1]).reshape(-1)
+
+
+@pytest.mark.parametrize("shape,tile,grid", [
+    ((64, 96), (32, 32), (2, 3)), ((2, 32, 64), (32, 32), (2, 2)), ((8, 12), (4, 3), (2, 4)),
+    ((48, 32), (32, 32), None), ((64,), (32, 32), None), ((0, 32), (32, 32), None),
+])
+def test_tile_grid(shape, tile, grid):
+    assert tile_grid(shape, tile) == grid
+
+
+@pytest.mark.parametrize("shape,tile", [((64, 96), (32, 32)), ((12, 6), (4, 3)), ((3, 8, 6), (4, 2))])
+def test_block_ids_match_brute_force_on_every_band_range(shape, tile):
+    full = _tile_of_every_element(shape, tile)
+    band, numel = tile[0] * shape[-1], math.prod(shape)
+    for start in range(0, numel, band):
+        for stop in range(start + band, numel + 1, band):
+            want = full[start:stop] - full[start]
+            np.testing.assert_array_equal(block_ids(shape, start, stop, tile=tile), want)
+
+
+def test_untiled_tensors_have_one_element_per_block():
+    np.testing.assert_array_equal(block_ids((7,), 2, 6), [0, 1, 2, 3])
+    np.testing.assert_array_equal(block_ids((48, 32), 5, 8), [0, 1, 2])  # 48 rows: not tiled
+
+
+def test_a_range_that_cuts_a_tile_is_rejected_naming_the_tensor():
+    with pytest.raises(TileError, match=r"layers\.0\.w.*\[0, 1056\).*tiles:32x32"):
+        check_tiles_local((64, 32), [(0, 1056), (1056, 2048)], "layers.0.w")
+    check_tiles_local((64, 32), [(0, 1024), (1024, 1024), (1024, 2048)], "ok")  # bands, one empty
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_local_block_ids_keep_each_tile_on_one_device(world):
+    specs = [ragged.TensorSpec("a", (96, 64), "tiles:32x32"), ragged.TensorSpec("n", (64,), "element"),
+             ragged.TensorSpec("b", (64, 32), "tiles:32x32"), ragged.TensorSpec("c", (40, 8), "rows:1")]
+    layout = ragged.plan(specs, world)
+    table = block_table(layout)
+    holder: dict[tuple[str, int], int] = {}  # (tensor, global block) -> device
+    for rank in range(world):
+        ids, count = local_block_ids(layout, rank)
+        np.testing.assert_array_equal(table.ids[rank], np.where(ids < 0, table.count, ids))
+        assert count <= table.count
+        seen = set()
+        for p in layout.local_pieces(rank):
+            slot = layout.slot(p.name)
+            local = ids[p.local_offset:p.local_offset + p.stop - p.start]
+            seen |= set(local.tolist())
+            if tile_grid(slot.shape):
+                glob = _tile_of_every_element(slot.shape, (32, 32))[p.start:p.stop]
+            else:
+                glob = np.arange(p.start, p.stop)
+            # local ids are a relabelling of the global blocks: same partition of the elements
+            pairs = set(zip(glob.tolist(), local.tolist()))
+            assert len(pairs) == len(set(glob.tolist())) == len(set(local.tolist()))
+            for g in set(glob.tolist()):
+                assert holder.setdefault((p.name, g), rank) == rank, f"{p.name} block {g} on two devices"
+        assert seen == set(range(count))  # dense numbering
+    # every block of every tensor is somewhere
+    assert len(holder) == 6 + 2 + 64 + 320
+
+
+def test_local_block_ids_reject_an_element_layout_that_cuts_a_tile():
+    layout = ragged.plan([ragged.TensorSpec("layers.1.wq.weight", (64, 64), "element")], 3)
+    with pytest.raises(TileError, match=r"layers\.1\.wq\.weight"):
+        block_table(layout)
+
+
+def _brute_makespan(costs, world):
+    return min(max(sum(c for c, r in zip(costs, roots) if r == d) for d in range(world))
+               for roots in itertools.product(range(world), repeat=len(costs)))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_assign_roots_is_within_the_largest_cost_of_the_optimum(seed):
+    rng = np.random.default_rng(seed)
+    world = int(rng.integers(1, 5))
+    costs = [int(c) for c in rng.integers(0, 100, size=int(rng.integers(1, 8)))]
+    roots = assign_roots(costs, world)
+    assert roots == assign_roots(list(costs), world)  # deterministic
+    assert all(0 <= r < world for r in roots)
+    makespan = max(sum(c for c, r in zip(costs, roots) if r == d) for d in range(world))
+    assert makespan <= _brute_makespan(costs, world) + max(costs)
+
+
+def test_assign_roots_largest_first_to_least_loaded():
+    assert assign_roots([5, 9, 5, 1], 2) == (1, 0, 1, 0)  # 9->0, 5->1, 5->1, 1->0
+    assert assign_roots([newton_schulz_cost((64, 32)), newton_schulz_cost((32, 32))], 3) == (0, 1)
+    with pytest.raises(ragged.PlanningError, match="world_size"):
+        assign_roots([1], 0)
+    with pytest.raises(ragged.PlanningError, match="2-D"):
+        newton_schulz_cost((4, 4, 4))
