@@ -1,0 +1,256 @@
+"""torch_backend.optim: 8-bit tile Adam and distributed Muon on RaggedShard DTensors.
+
+Multi-device cases run on torch's threaded process group (one thread per rank in this process, no fork,
+so it is safe after jax was imported) and are compared with the same optimizer on the full tensors in
+one process; the comm-count case runs on real gloo workers so ``CommDebugMode`` sees the collectives.
+Independent references: torch.optim.AdamW, numpy SVD (Newton-Schulz closed form), the core's block ids.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import Launcher, assert_case, run_cases
+from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+import ragged
+import torch_backend  # noqa: F401  (installs the DTensor hooks before distribute_tensor is used)
+from torch_backend import RaggedShard
+from torch_backend.optim import Adam8bit, Muon, newton_schulz
+from torch_backend.optim._adam8bit import (
+    dequantize_signed,
+    dequantize_sqrt,
+    from_blocks,
+    quantize_signed,
+    quantize_sqrt,
+    to_blocks,
+)
+
+WORLDS = (1, 2, 3, 4)
+# name, shape, granularity: two tiled matrices, a matrix the tile does not divide, a 1-D tensor
+ADAM_SPECS = (("w_in", (96, 64), "tiles:32x32"), ("norm", (64,), "element"),
+              ("w_out", (64, 32), "tiles:32x32"), ("odd", (40, 8), "rows:1"))
+MUON_SPECS = (("wide", (32, 96), "rows:1"), ("norm", (24,), "element"), ("tall", (80, 16), "rows:1"),
+              ("sq", (48, 48), "rows:4"))
+
+
+def run_threads(world: int, fn, timeout_s: float = 60.0) -> list:
+    """Run ``fn(rank, world)`` on ``world`` threads of a threaded process group; return each rank's result."""
+    _install_threaded_pg()
+    store = dist.HashStore()
+    results, errors = [None] * world, {}
+
+    def worker(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+        try:
+            results[rank] = fn(rank, world)
+        except BaseException:
+            errors[rank] = traceback.format_exc()
+        finally:
+            dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    try:
+        threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+        hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        _uninstall_threaded_pg()
+    assert not hung, f"ranks {hung} did not finish within {timeout_s}s; errors: {errors}"
+    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items()))
+    return results
+
+
+def _fulls(specs, seed: int, steps: int):
+    """Initial parameters and one gradient per step, the same on every rank (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    params = {n: torch.randn(s, generator=g) for n, s, _ in specs}
+    grads = [{n: torch.randn(s, generator=g) * (1 + k) for n, s, _ in specs} for k in range(steps)]
+    return params, grads
+
+
+def _train(make_opt, params: dict, grads: list, place=None) -> dict:
+    """Run ``len(grads)`` steps; ``place(name, tensor)`` distributes tensors (None: plain tensors)."""
+    place = place or (lambda name, t: t)
+    live = {n: torch.nn.Parameter(place(n, t.clone())) for n, t in params.items()}
+    opt = make_opt(list(live.items()))
+    for step in grads:
+        for n, p in live.items():
+            p.grad = place(n, step[n])
+        opt.step()
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in live.items()}
+
+
+def _sharded(specs, make_opt, params, grads):
+    """The same training on every rank of a mesh, each parameter RaggedShard-placed by the planner."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    def fn(rank: int, world: int) -> dict:
+        mesh = init_device_mesh("cpu", (world,))
+        layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in specs], world)
+        return _train(make_opt, params, grads,
+                      lambda n, t: distribute_tensor(t, mesh, [RaggedShard.from_core(layout.placement(n))]))
+
+    return fn
+
+
+# ----- 8-bit Adam ---------------------------------------------------------------------------------
+def _adam8bit(named):
+    return Adam8bit(named, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_adam8bit_sharded_gives_the_same_bits_as_unsharded(world):
+    params, grads = _fulls(ADAM_SPECS, seed=world, steps=3)
+    want = _train(_adam8bit, params, grads)
+    for rank, got in enumerate(run_threads(world, _sharded(ADAM_SPECS, _adam8bit, params, grads))):
+        for n in params:
+            assert torch.equal(got[n], want[n]), f"rank {rank}: {n} differs"
+            assert not torch.equal(got[n], params[n]), f"{n} did not move"
+
+
+def test_adam8bit_rejects_a_layout_that_cuts_tiles_on_every_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    def fn(rank: int, world: int) -> str:
+        mesh = init_device_mesh("cpu", (world,))
+        layout = ragged.plan([ragged.TensorSpec("layers.0.attention.wq.weight", (64, 64), "element")], world)
+        p = distribute_tensor(torch.zeros(64, 64), mesh, [RaggedShard.from_core(layout.placement(
+            "layers.0.attention.wq.weight"))])
+        with pytest.raises(ragged.TileError) as err:
+            Adam8bit([("layers.0.attention.wq.weight", torch.nn.Parameter(p))])
+        return str(err.value)
+
+    for msg in run_threads(3, fn):
+        assert "layers.0.attention.wq.weight" in msg and "tiles:32x32" in msg
+
+
+def test_to_blocks_follows_the_core_block_ids():
+    shape, band = (96, 64), 32 * 64
+    for start, stop in [(0, 3 * band), (band, 3 * band), (2 * band, 3 * band)]:
+        blocks = to_blocks(torch.arange(start, stop), shape, ragged.TILE)
+        ids = ragged.block_ids(shape, start, stop)
+        for b in range(blocks.shape[0]):
+            want = np.flatnonzero(ids == b) + start
+            assert sorted(blocks[b].tolist()) == want.tolist()
+        assert torch.equal(from_blocks(blocks, shape, ragged.TILE), torch.arange(start, stop))
+
+
+def test_quantization_error_is_within_half_a_level():
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(6, 1024, generator=g) * torch.logspace(-4, 2, 6)[:, None]
+    q, s = quantize_signed(m)
+    assert q.dtype == torch.int8 and s.shape == (6,)
+    assert torch.all((dequantize_signed(q, s) - m).abs() <= s[:, None] / 254 * (1 + 1e-5))
+    v = m.square()
+    q, s = quantize_sqrt(v)
+    assert q.dtype == torch.uint8
+    assert torch.all((dequantize_sqrt(q, s).sqrt() - v.sqrt()).abs() <= s[:, None] / 510 * (1 + 1e-5))
+    zq, zs = quantize_signed(torch.zeros(2, 4))
+    assert torch.equal(dequantize_signed(zq, zs), torch.zeros(2, 4))
+
+
+def test_adam8bit_tracks_fp32_adamw_on_a_regression_problem():
+    g = torch.Generator().manual_seed(0)
+    x, w_true = torch.randn(512, 64, generator=g), torch.randn(64, 32, generator=g)
+    y = x @ w_true + 0.1 * torch.randn(512, 32, generator=g)
+
+    def train(make_opt) -> list[float]:
+        torch.manual_seed(1)
+        w, b = torch.nn.Parameter(torch.zeros(64, 32)), torch.nn.Parameter(torch.zeros(32))
+        opt, losses = make_opt([("w", w), ("b", b)]), []
+        for _ in range(300):
+            loss = torch.nn.functional.mse_loss(x @ w + b, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    ours = train(lambda p: Adam8bit(p, lr=3e-2, weight_decay=1e-4))
+    ref = train(lambda p: torch.optim.AdamW(p, lr=3e-2, weight_decay=1e-4))
+    assert ours[-1] < 1e-3 * ours[0]  # it trains (to the noise floor, 0.01)
+    assert abs(ours[-1] - ref[-1]) <= 0.02 * ref[-1], (ours[-1], ref[-1])
+    for level in (1.0, 0.1, 0.02):  # at most 10% more steps than fp32 AdamW to reach each loss level
+        first = [next(i for i, loss in enumerate(c) if loss < level) for c in (ours, ref)]
+        assert first[0] <= 1.1 * first[1], (level, first)
+
+
+# ----- Muon ----------------------------------------------------------------------------------------
+def _muon(named):
+    return Muon(named, lr=0.02, weight_decay=0.01, adamw_lr=1e-2)
+
+
+def _ns_closed_form(x: np.ndarray, steps: int = 5) -> np.ndarray:
+    """``U p^steps(S / ||X||_F) V^T`` in float64: what the quintic iteration does to each singular value."""
+    a, b, c = ragged.NS_COEFFS
+    u, s, vt = np.linalg.svd(x, full_matrices=False)
+    s = s / np.linalg.norm(x)
+    for _ in range(steps):
+        s = a * s + b * s**3 + c * s**5
+    return (u * s) @ vt
+
+
+@pytest.mark.parametrize("shape", [(32, 96), (80, 16), (48, 48)])
+def test_newton_schulz_matches_the_singular_value_closed_form(shape):
+    x = np.random.default_rng(0).standard_normal(shape)
+    got = newton_schulz(torch.from_numpy(x).float()).double().numpy()
+    np.testing.assert_allclose(got, _ns_closed_form(x), atol=2e-4)
+    sv = np.linalg.svd(got, compute_uv=False)
+    assert sv.min() > 0.5 and sv.max() < 1.25  # near the polar factor's singular values (all 1)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_distributed_muon_equals_single_process_muon(world):
+    params, grads = _fulls(MUON_SPECS, seed=10 + world, steps=3)
+    want = _train(_muon, params, grads)
+    for rank, got in enumerate(run_threads(world, _sharded(MUON_SPECS, _muon, params, grads))):
+        for n in params:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {n}")
+            assert not torch.equal(got[n], params[n]), f"{n} did not move"
+
+
+def checks(rank: int, world: int) -> dict:
+    """gloo worker: one Muon step's collectives as CommDebugMode sees them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def comm_counts() -> None:
+        mesh = init_device_mesh("cpu", (world,))
+        params, grads = _fulls(MUON_SPECS, seed=3, steps=1)
+        layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in MUON_SPECS], world)
+        placed = {n: [RaggedShard.from_core(layout.placement(n))] for n in params}
+        live = {n: torch.nn.Parameter(distribute_tensor(t, mesh, placed[n])) for n, t in params.items()}
+        for n, p in live.items():
+            p.grad = distribute_tensor(grads[0][n], mesh, placed[n])
+        opt = _muon(list(live.items()))
+        with CommDebugMode() as comm:
+            opt.step()
+        counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+        matrices = sum(p.ndim == 2 for p in live.values())
+        assert counts == {"c10d.alltoall_base_": 2 * matrices}, counts  # one gather + one scatter each
+        roots = sorted(opt.root(p) for p in live.values() if p.ndim == 2)
+        assert roots == sorted(ragged.assign_roots(
+            [ragged.newton_schulz_cost(tuple(p.shape)) for p in live.values() if p.ndim == 2], world))
+        assert len(set(roots)) == min(world, matrices)  # spread over the devices
+
+    return run_cases({"comm_counts": comm_counts})
+
+
+_launch = Launcher(__file__)
+
+
+def test_distributed_muon_is_one_gather_and_one_scatter_per_matrix():
+    assert_case(_launch(3), "comm_counts")

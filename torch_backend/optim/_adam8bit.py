@@ -1,0 +1,214 @@
+"""8-bit blockwise AdamW whose quantization blocks are 32x32 tiles kept whole on one device.
+
+The math is plain functions over flat local tensors; ``Adam8bit`` is a thin ``torch.optim.Optimizer``
+shell that owns the state. Blocks come from the core (``ragged.tile_grid``, ``ragged.check_tiles_local``):
+a tiled matrix's local slice is whole bands of ``R`` rows, so ``to_blocks`` is a reshape + permute of the
+local tensor into ``(tiles, R * C)`` in the core's tile order, and each device quantizes its own tiles
+with no communication. Other tensors (1-D, or matrices the tile does not divide) have one element per
+block, which keeps their state at full precision.
+
+Quantization (per block, state stored in block order):
+
+- first moment ``m``: signed absmax-linear, ``q = round(m * 127 / max|m|)`` as int8, one fp32 scale;
+- second moment ``v``: sqrt then absmax-linear, ``q = round(sqrt(v) * 255 / max sqrt(v))`` as uint8,
+  ``v = (q * scale / 255) ** 2`` (the square root spends the 8 bits on the range Adam divides by).
+
+Each step dequantizes, updates ``m`` and ``v`` in fp32, computes the AdamW direction from the fp32 values
+(as bitsandbytes does) and stores the requantized moments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+import ragged
+from torch_backend._placement import RaggedShard
+
+Tile = tuple[int, int]
+_M_LEVELS, _V_LEVELS = 127.0, 255.0
+
+
+# ----- quantization (rows are blocks) ------------------------------------------------------------
+def _inverse(scale: torch.Tensor, levels: float) -> torch.Tensor:
+    """``levels / scale`` per block, 0 where the block is all zero (so its codes are 0)."""
+    return torch.where(scale > 0, levels / scale, torch.zeros_like(scale))
+
+
+def quantize_signed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks, n)`` fp32 -> int8 codes in [-127, 127] and one absmax scale per block."""
+    scale = x.abs().amax(dim=1)
+    q = torch.round(x * _inverse(scale, _M_LEVELS)[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def dequantize_signed(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * (scale / _M_LEVELS)[:, None]
+
+
+def quantize_sqrt(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks, n)`` non-negative fp32 -> uint8 codes of ``sqrt(v)`` and one absmax scale per block."""
+    r = v.sqrt()
+    scale = r.amax(dim=1)
+    q = torch.round(r * _inverse(scale, _V_LEVELS)[:, None]).clamp_(0, 255)
+    return q.to(torch.uint8), scale
+
+
+def dequantize_sqrt(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (q.float() * (scale / _V_LEVELS)[:, None]).square()
+
+
+# ----- blocks of a local slice -------------------------------------------------------------------
+def to_blocks(flat: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
+    """A local flat slice (whole bands of a tiled matrix, or any slice otherwise) -> ``(blocks, n)``.
+
+    Tiles come out in the core's order (``ragged.block_ids``): bands top to bottom, tiles left to right.
+    """
+    if ragged.tile_grid(shape, tile) is None:
+        return flat.reshape(-1, 1)
+    r, c, cols = tile[0], tile[1], shape[-1]
+    return flat.reshape(-1, r, cols // c, c).permute(0, 2, 1, 3).reshape(-1, r * c)  # (tiles, R*C)
+
+
+def from_blocks(blocks: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
+    """The inverse of ``to_blocks``: ``(blocks, n)`` -> the flat local slice."""
+    if ragged.tile_grid(shape, tile) is None:
+        return blocks.reshape(-1)
+    r, c, cols = tile[0], tile[1], shape[-1]
+    return blocks.reshape(-1, cols // c, r, c).permute(0, 2, 1, 3).reshape(-1)
+
+
+# ----- the AdamW math --------------------------------------------------------------------------------
+def adam_direction(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, step: int,
+                   betas: tuple[float, float], eps: float) -> torch.Tensor:
+    """Update the fp32 moments in place; return Adam's direction ``m_hat / (sqrt(v_hat) + eps)``."""
+    beta1, beta2 = betas
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    return (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt_().add_(eps))
+
+
+class Adam8bitState(NamedTuple):
+    """One parameter's 8-bit state, in block order (``to_blocks``)."""
+
+    m_codes: torch.Tensor  # (blocks, n) int8
+    m_scale: torch.Tensor  # (blocks,) fp32
+    v_codes: torch.Tensor  # (blocks, n) uint8
+    v_scale: torch.Tensor  # (blocks,) fp32
+
+
+def init_state(num_blocks: int, block: int, device: torch.device) -> Adam8bitState:
+    """All-zero moments (zero codes and scales)."""
+    return Adam8bitState(
+        torch.zeros(num_blocks, block, dtype=torch.int8, device=device),
+        torch.zeros(num_blocks, device=device),
+        torch.zeros(num_blocks, block, dtype=torch.uint8, device=device),
+        torch.zeros(num_blocks, device=device),
+    )
+
+
+def adam8bit_direction(grad_blocks: torch.Tensor, state: Adam8bitState, step: int,
+                       betas: tuple[float, float], eps: float) -> tuple[torch.Tensor, Adam8bitState]:
+    """Adam's direction for one parameter's blocks from 8-bit state; returns it and the new state."""
+    m = dequantize_signed(state.m_codes, state.m_scale)
+    v = dequantize_sqrt(state.v_codes, state.v_scale)
+    direction = adam_direction(m, v, grad_blocks.float(), step, betas, eps)
+    return direction, Adam8bitState(*quantize_signed(m), *quantize_sqrt(v))
+
+
+# ----- where a parameter's local slice sits ------------------------------------------------------------
+def local_slice(p: torch.Tensor, name: str) -> tuple[torch.Tensor, list[tuple[int, int]], int]:
+    """A parameter's local flat tensor, every device's flat range of it, and this device's index.
+
+    Plain tensors and replicated DTensors are whole on this device; a RaggedShard DTensor holds its
+    ``RaggedShard`` range on the ragged mesh dim (the other mesh dims must be Replicate, as under HSDP).
+
+    Raises:
+        ragged.PlacementError: a DTensor placement other than RaggedShard / Replicate (naming ``name``).
+    """
+    if not isinstance(p, DTensor):
+        return p.detach().view(-1), [(0, p.numel())], 0
+    placements = p.placements
+    bad = [q for q in placements if not isinstance(q, (RaggedShard, Replicate))]
+    if bad:
+        raise ragged.PlacementError(
+            f"{name}: placements {tuple(placements)} are not supported by this optimizer; it needs "
+            "RaggedShard on one mesh dim (Replicate elsewhere) so that blocks stay whole on one device"
+        )
+    local = p.to_local().detach().view(-1)
+    dims = [i for i, q in enumerate(placements) if isinstance(q, RaggedShard)]
+    if not dims:
+        return local, [(0, p.numel())], 0
+    ranges = list(placements[dims[0]].core.ranges(tuple(p.shape), name))
+    return local, ranges, p.device_mesh.get_local_rank(dims[0])
+
+
+def param_names(group: dict[str, Any], index: int) -> list[str]:
+    """The names of a param group's parameters (``named_parameters`` input), else ``param {i}``."""
+    names = group.get("param_names")
+    return list(names) if names else [f"param {index + i}" for i in range(len(group["params"]))]
+
+
+# ----- the optimizer shell ------------------------------------------------------------------------------
+class Adam8bit(torch.optim.Optimizer):
+    """AdamW with 8-bit blockwise state on 32x32 tiles that never cross devices.
+
+    Works on plain tensors and on RaggedShard DTensors (``fully_shard`` with granularity
+    ``tiles:32x32``, ``distribute_tensor(full, mesh, [layout.placement(fqn)])``). Every local tile is
+    quantized on its own device, so the sharded optimizer gives the same bits as the unsharded one.
+    Weight decay is decoupled (``p -= lr * weight_decay * p``), as in ``torch.optim.AdamW``.
+
+    Args:
+        params: parameters or ``named_parameters()`` (names appear in errors).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        tile: the quantization tile ``(R, C)``.
+
+    Raises:
+        ragged.TileError: a tiled matrix whose placement cuts a tile (an element-granularity layout),
+            raised at construction on every rank, naming the parameter.
+
+    Example:
+        >>> opt = Adam8bit(model.named_parameters(), lr=1e-3, weight_decay=0.1)
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, tile: Tile = ragged.TILE) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tile=tile))
+        seen = 0
+        for group in self.param_groups:
+            for p, name in zip(group["params"], param_names(group, seen)):
+                _, ranges, _ = local_slice(p, name)
+                ragged.check_tiles_local(tuple(p.shape), ranges, name, group["tile"])
+            seen += len(group["params"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        seen = 0
+        for group in self.param_groups:
+            for p, name in zip(group["params"], param_names(group, seen)):
+                if p.grad is not None:
+                    self._update(p, name, group)
+            seen += len(group["params"])
+        return loss
+
+    def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
+        shape, tile = tuple(p.shape), group["tile"]
+        local, _, _ = local_slice(p, name)
+        grad, _, _ = local_slice(p.grad, name + ".grad")
+        blocks = to_blocks(grad, shape, tile)
+        state = self.state[p]  # plain tensors under Adam8bitState's field names, so state_dict round-trips
+        if not state:
+            state.update(step=0, **init_state(blocks.shape[0], blocks.shape[1], local.device)._asdict())
+        state["step"] += 1
+        current = Adam8bitState(*(state[f] for f in Adam8bitState._fields))
+        direction, new = adam8bit_direction(blocks, current, state["step"], group["betas"], group["eps"])
+        state.update(new._asdict())
+        local.mul_(1 - group["lr"] * group["weight_decay"])
+        local.add_(from_blocks(direction, shape, tile).to(local.dtype), alpha=-group["lr"])
