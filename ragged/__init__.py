@@ -25,7 +25,16 @@ from ragged._redistribute import (
 )
 from ragged._shapes_file import UnitSpecs, model_units, parse_shapes, read_shapes_file
 from ragged._sweep import SweepRow, padding_sweep, run_sweep
-from ragged._tiles import TILE, BlockTable, TileError, block_ids, block_table, check_tiles_local, tile_grid
+from ragged._tiles import (
+    TILE,
+    BlockTable,
+    TileError,
+    block_ids,
+    block_table,
+    check_tiles_local,
+    tile_granularity,
+    tile_grid,
+)
 
 __all__ = [
     "NS_COEFFS",
@@ -38,6 +47,7 @@ __all__ = [
     "block_table",
     "check_tiles_local",
     "newton_schulz_cost",
+    "tile_granularity",
     "tile_grid",
     "Checkpoint",
     "CheckpointError",

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ragged._errors import GranularityError
+from ragged._granularity import Granularity, granularity_for
 from ragged._layout import Layout
 
 Shape = tuple[int, ...]
@@ -43,9 +44,13 @@ def tile_grid(shape: Shape, tile: tuple[int, int] = TILE) -> tuple[int, int] | N
     return rows // tile[0], cols // tile[1]
 
 
-def block_numel(shape: Shape, tile: tuple[int, int] = TILE) -> int:
-    """Elements per quantization block: ``R * C`` for a tiled matrix, 1 otherwise."""
-    return tile[0] * tile[1] if tile_grid(shape, tile) else 1
+def tile_granularity(shape: Shape, otherwise: Granularity | int | str = "rows:1",
+                     tile: tuple[int, int] = TILE) -> Granularity:
+    """``tiles:RxC`` for a tiled matrix, else ``granularity_for(shape, otherwise)``: the planner rule that
+    keeps every quantization tile on one device (the paper's granularity for 8-bit Adam)."""
+    if tile_grid(shape, tile):
+        return Granularity("tiles", tile[0], tile[1])
+    return granularity_for(shape, otherwise)
 
 
 def check_tiles_local(

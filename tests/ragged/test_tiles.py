@@ -39,6 +39,12 @@ def test_block_ids_match_brute_force_on_every_band_range(shape, tile):
             np.testing.assert_array_equal(block_ids(shape, start, stop, tile=tile), want)
 
 
+def test_tile_granularity_tiles_what_the_tile_divides():
+    assert str(ragged.tile_granularity((256, 64))) == "tiles:32x32"
+    assert str(ragged.tile_granularity((176, 64))) == "rows:1"
+    assert str(ragged.tile_granularity((64,))) == "element"
+
+
 def test_untiled_tensors_have_one_element_per_block():
     np.testing.assert_array_equal(block_ids((7,), 2, 6), [0, 1, 2, 3])
     np.testing.assert_array_equal(block_ids((48, 32), 5, 8), [0, 1, 2])  # 48 rows: not tiled
