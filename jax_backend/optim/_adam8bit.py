@@ -1,0 +1,192 @@
+"""8-bit blockwise Adam(W) as optax transformations, with 32x32 quantization tiles that never cross devices.
+
+Every element of every leaf belongs to one quantization block (``ragged.block_ids``): the 32x32 tiles of
+a tiled matrix, one element per block otherwise (1-D tensors and matrices the tile does not divide keep
+full-precision state). Quantization is a segment reduction over those block ids:
+
+- first moment ``m``: int8 codes ``round(m * 127 / max|m|)`` per block, one fp32 scale per block;
+- second moment ``v``: uint8 codes ``round(sqrt(v) * 255 / max sqrt(v))``, ``v = (q * scale / 255) ** 2``.
+
+Each step dequantizes, updates ``m`` and ``v`` in fp32, takes Adam's direction from the fp32 values and
+stores the requantized moments (the same scheme as ``torch_backend.optim.Adam8bit``).
+
+Blocks of a leaf come from its ``blocks`` entry: ``WholeBlocks`` (default: the leaf is a whole tensor) or
+``ShardBlocks`` (the leaf is an FSDP unit's local shard inside ``shard_map``: the core's static
+``BlockTable`` of every device, indexed by ``lax.axis_index``, so one trace serves all devices). Tiles
+are local by construction (granularity ``tiles:32x32``), so no scale or code ever crosses devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+import ragged
+from ragged import Layout
+
+Tile = tuple[int, int]
+_M_LEVELS, _V_LEVELS = 127.0, 255.0
+
+
+# ----- which block each element belongs to ---------------------------------------------------------
+@dataclass(frozen=True)
+class WholeBlocks:
+    """Blocks of a leaf that is a whole tensor of ``shape`` (on one device, or replicated)."""
+
+    shape: tuple[int, ...]
+    tile: Tile = ragged.TILE
+    _ids: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        numel = int(np.prod(self.shape))
+        object.__setattr__(self, "_ids", ragged.block_ids(self.shape, 0, numel, tile=self.tile))
+
+    @property
+    def count(self) -> int:
+        """Segments a reduction needs."""
+        return int(self._ids.max()) + 1 if self._ids.size else 1
+
+    def ids(self) -> jax.Array:
+        return jnp.asarray(self._ids)
+
+
+@dataclass(frozen=True)
+class ShardBlocks:
+    """Blocks of one FSDP unit's local shard ``(S,)``, for use inside ``shard_map`` over ``axis``.
+
+    ``table`` is the core's ``BlockTable``: row ``d`` is device ``d``'s block id per element, padding in
+    the spare block ``table.count``.
+    """
+
+    table: ragged.BlockTable
+    axis: str
+
+    @property
+    def count(self) -> int:
+        return self.table.count + 1  # the spare block collects padding
+
+    def ids(self) -> jax.Array:
+        return jnp.asarray(self.table.ids)[lax.axis_index(self.axis)]
+
+
+def shard_blocks(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.TILE) -> dict[str, ShardBlocks]:
+    """``{unit: ShardBlocks}`` for the FSDP step's local shards (``FSDP.train_step``'s optimizer).
+
+    Raises:
+        ragged.TileError: a tensor whose layout cuts a tile (e.g. planned with element granularity),
+            naming it; use granularity ``tiles:32x32`` for matrices.
+    """
+    return {layout.name: ShardBlocks(ragged.block_table(layout, tile), axis) for layout in layouts}
+
+
+# ----- quantization over block ids -------------------------------------------------------------------
+def _inverse(scale: jax.Array, levels: float) -> jax.Array:
+    return jnp.where(scale > 0, levels / jnp.where(scale > 0, scale, 1.0), 0.0)
+
+
+def quantize(x: jax.Array, ids: jax.Array, count: int, *, signed: bool) -> tuple[jax.Array, jax.Array]:
+    """Flat fp32 values -> codes (int8 signed / uint8 of ``sqrt``) and one absmax scale per block."""
+    r = x if signed else jnp.sqrt(x)
+    scale = jax.ops.segment_max(jnp.abs(r), ids, num_segments=count)
+    scale = jnp.maximum(scale, 0.0)  # empty segments come back as -inf
+    levels = _M_LEVELS if signed else _V_LEVELS
+    q = jnp.round(r * _inverse(scale, levels)[ids])
+    if signed:
+        return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+    return jnp.clip(q, 0, 255).astype(jnp.uint8), scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, ids: jax.Array, *, signed: bool) -> jax.Array:
+    levels = _M_LEVELS if signed else _V_LEVELS
+    r = q.astype(jnp.float32) * (scale / levels)[ids]
+    return r if signed else jnp.square(r)
+
+
+# ----- the transform ---------------------------------------------------------------------------------
+class ScaleByAdam8bitState(NamedTuple):
+    """State of ``scale_by_adam8bit``: per leaf, flat 8-bit codes and one fp32 scale per block."""
+
+    count: jax.Array  # () int32: steps taken
+    m_codes: Any  # per leaf (n,) int8
+    m_scale: Any  # per leaf (blocks,) fp32
+    v_codes: Any  # per leaf (n,) uint8
+    v_scale: Any  # per leaf (blocks,) fp32
+
+
+def _blocks_for(tree: Any, blocks: Mapping[str, Any] | None, tile: Tile) -> Any:
+    """A tree of block specs with ``tree``'s structure: ``blocks`` as given, else ``WholeBlocks``."""
+    if blocks is None:
+        return jax.tree.map(lambda x: WholeBlocks(tuple(x.shape), tile), tree)
+    return jax.tree.map(lambda _, b: b, tree, dict(blocks))
+
+
+def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                      blocks: Mapping[str, Any] | None = None,
+                      tile: Tile = ragged.TILE) -> optax.GradientTransformation:
+    """Rescale updates by Adam's direction, keeping the moments in 8 bits per quantization block.
+
+    Args:
+        b1, b2, eps: as ``optax.scale_by_adam``.
+        blocks: ``None`` when the leaves are whole tensors; for the FSDP step's local shards, the
+            ``{unit: ShardBlocks}`` of ``shard_blocks(layouts, axis)`` (a dict like the updates).
+        tile: the quantization tile for ``WholeBlocks``.
+
+    Returns:
+        An ``optax.GradientTransformation`` whose state is a ``ScaleByAdam8bitState``.
+    """
+
+    def init_fn(params: Any) -> ScaleByAdam8bitState:
+        specs = _blocks_for(params, blocks, tile)
+        codes = jax.tree.map(lambda p: jnp.zeros(p.size, jnp.int8), params)
+        scales = jax.tree.map(lambda _, b: jnp.zeros(b.count, jnp.float32), params, specs)
+        return ScaleByAdam8bitState(jnp.zeros([], jnp.int32), codes, scales,
+                                    jax.tree.map(lambda c: c.astype(jnp.uint8), codes), scales)
+
+    def update_fn(updates: Any, state: ScaleByAdam8bitState, params: Any = None) -> tuple:
+        del params
+        count = optax.safe_increment(state.count)
+        t = count.astype(jnp.float32)
+        specs = _blocks_for(updates, blocks, tile)
+
+        def leaf(g, mq, ms, vq, vs, spec):
+            ids, n = spec.ids(), spec.count
+            grad = g.reshape(-1).astype(jnp.float32)
+            m = b1 * dequantize(mq, ms, ids, signed=True) + (1 - b1) * grad
+            v = b2 * dequantize(vq, vs, ids, signed=False) + (1 - b2) * jnp.square(grad)
+            direction = (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
+            return (direction.reshape(g.shape).astype(g.dtype), *quantize(m, ids, n, signed=True),
+                    *quantize(v, ids, n, signed=False))
+
+        out = jax.tree.map(leaf, updates, state.m_codes, state.m_scale, state.v_codes, state.v_scale, specs)
+        treedef = jax.tree.structure(updates)
+        parts = [treedef.unflatten(p) for p in zip(*treedef.flatten_up_to(out))]
+        return parts[0], ScaleByAdam8bitState(count, *parts[1:])
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adamw8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+              weight_decay: float = 1e-4, *, blocks: Mapping[str, Any] | None = None,
+              tile: Tile = ragged.TILE) -> optax.GradientTransformation:
+    """AdamW with 8-bit tile-quantized moments: ``scale_by_adam8bit``, decoupled weight decay, learning rate.
+
+    Example:
+        >>> fsdp = parallelize(model, mesh, granularity=lambda name, shape: ragged.tile_granularity(shape))
+        >>> opt = adamw8bit(1e-3, blocks=shard_blocks(fsdp.layouts, fsdp.axis))
+        >>> step = fsdp.train_step(opt, loss_fn)
+
+    References:
+        Dettmers et al., 8-bit Optimizers via Block-wise Quantization (2022); veScale-FSDP (2026).
+    """
+    return optax.chain(
+        scale_by_adam8bit(b1, b2, eps, blocks=blocks, tile=tile),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )

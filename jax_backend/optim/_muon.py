@@ -1,0 +1,194 @@
+"""Muon as optax transformations, on whole matrices or distributed over FSDP unit shards (Algorithm 2).
+
+``scale_by_muon`` keeps a momentum buffer and replaces each 2-D update by its Newton-Schulz
+orthogonalization (5 quintic steps on ``X / ||X||_F``, coefficients ``ragged.NS_COEFFS``, transposed
+when rows > cols), scaled by ``sqrt(max(1, rows / cols))``. ``muon`` chains it with weight decay and the
+learning rate for 2-D leaves and uses AdamW for the others.
+
+Distributed (``plan=muon_plan(layouts, axis)``): the leaves are FSDP unit shards ``(S,)`` inside
+``shard_map``. Momentum runs on the local shard; each matrix is gathered to its load-balanced root
+(``ragged.assign_roots``) with ``gather_tensor(..., root=r)``, orthogonalized under ``lax.cond`` on the root
+only, and written back to every device's piece with ``scatter_tensor(..., root=r)``. Elements of tensors
+that are not 2-D get AdamW through a static per-device mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+import ragged
+from jax_backend._redistribute import gather_tensor, scatter_tensor
+from ragged import Layout
+
+
+def newton_schulz(g: jax.Array, steps: int = ragged.NS_STEPS, eps: float = 1e-7) -> jax.Array:
+    """``U p^steps(S / ||G||_F) V^T`` with the quintic ``p`` of ``ragged.NS_COEFFS`` (fp32)."""
+    a, b, c = ragged.NS_COEFFS
+    x = g.astype(jnp.float32)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (jnp.linalg.norm(x) + eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def muon_scale(shape: tuple[int, ...]) -> float:
+    """Keller Jordan's shape rule: ``sqrt(max(1, rows / cols))``."""
+    return max(1.0, shape[0] / shape[1]) ** 0.5
+
+
+@dataclass(frozen=True)
+class MuonMatrix:
+    """One 2-D tensor of a unit and the device that orthogonalizes it."""
+
+    name: str
+    shape: tuple[int, int]
+    root: int
+
+
+@dataclass(frozen=True)
+class MuonPlan:
+    """The distributed Muon plan of a model's units: matrices with roots, and which elements they cover.
+
+    ``masks[unit][d]`` is True where device ``d``'s shard element belongs to a 2-D tensor.
+    """
+
+    layouts: tuple[Layout, ...]
+    axis: str
+    matrices: dict[str, tuple[MuonMatrix, ...]]
+    masks: dict[str, np.ndarray]  # unit -> (world_size, S) bool
+
+
+def muon_plan(layouts: Sequence[Layout], axis: str) -> MuonPlan:
+    """Roots for every 2-D tensor of ``layouts`` (greedy largest-first over Newton-Schulz cost) and masks."""
+    layouts = tuple(layouts)
+    world = layouts[0].world_size if layouts else 1
+    found = [(lay.name, t) for lay in layouts for t in lay.tensors if len(t.shape) == 2]
+    roots = ragged.assign_roots([ragged.newton_schulz_cost(t.shape) for _, t in found], world)
+    matrices = {lay.name: tuple(MuonMatrix(t.name, t.shape, r) for (u, t), r in zip(found, roots)
+                                if u == lay.name) for lay in layouts}
+    masks = {}
+    for lay in layouts:
+        names = {m.name for m in matrices[lay.name]}
+        mask = np.zeros((lay.world_size, lay.shard_size), bool)
+        for d in range(lay.world_size):
+            for p in lay.local_pieces(d):
+                if p.name in names:
+                    mask[d, p.local_offset:p.local_offset + p.stop - p.start] = True
+        masks[lay.name] = mask
+    return MuonPlan(layouts, axis, matrices, masks)
+
+
+class ScaleByMuonState(NamedTuple):
+    """State of ``scale_by_muon``: the momentum buffer, like the params."""
+
+    momentum: Any
+
+
+def _orthogonalize_unit(update: jax.Array, layout: Layout, plan: MuonPlan) -> jax.Array:
+    """Newton-Schulz of every matrix of one unit shard, each on its root; other elements become 0."""
+    out = jnp.zeros_like(update)
+    rank = lax.axis_index(plan.axis)
+    for m in plan.matrices[layout.name]:
+        whole = gather_tensor(update, layout, m.name, plan.axis, root=m.root)  # zeros off the root
+        ortho = lax.cond(rank == m.root, newton_schulz, jnp.zeros_like, whole) * muon_scale(m.shape)
+        out = scatter_tensor(ortho, out, layout, m.name, plan.axis, root=m.root)
+    return out
+
+
+def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, *,
+                  plan: MuonPlan | None = None) -> optax.GradientTransformation:
+    """Momentum, then Newton-Schulz orthogonalization of every matrix, scaled by ``sqrt(max(1, rows/cols))``.
+
+    Args:
+        momentum: the momentum coefficient; nesterov: use ``lerp(g, buf, momentum)`` as the update.
+        plan: ``None`` when every leaf is a whole 2-D matrix; for FSDP unit shards inside ``shard_map``,
+            ``muon_plan(layouts, axis)`` (elements of tensors that are not 2-D then get a zero update).
+
+    Returns:
+        An ``optax.GradientTransformation`` whose state is a ``ScaleByMuonState``.
+
+    Raises:
+        ValueError: without a plan, a leaf that is not 2-D (naming its path).
+    """
+
+    def init_fn(params: Any) -> ScaleByMuonState:
+        return ScaleByMuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+    def update_fn(updates: Any, state: ScaleByMuonState, params: Any = None) -> tuple:
+        del params
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
+        buf = jax.tree.map(lambda b, g: b + (1 - momentum) * (g - b), state.momentum, grads)
+        direction = jax.tree.map(lambda g, b: g + momentum * (b - g), grads, buf) if nesterov else buf
+        if plan is None:
+            _check_matrices(updates)
+            ortho = jax.tree.map(lambda u: newton_schulz(u) * muon_scale(u.shape), direction)
+        else:
+            by_unit = {lay.name: lay for lay in plan.layouts}
+            ortho = {k: _orthogonalize_unit(u, by_unit[k], plan) for k, u in direction.items()}
+        return jax.tree.map(lambda o, g: o.astype(g.dtype), ortho, updates), ScaleByMuonState(buf)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_matrices(tree: Any) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if leaf.ndim != 2:
+            raise ValueError(
+                f"scale_by_muon: leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}; Muon "
+                "orthogonalizes 2-D matrices only (use `muon`, which gives other leaves AdamW)"
+            )
+
+
+def _select(mask_of: Any, if_true: optax.GradientTransformation,
+            if_false: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Run both transforms on every leaf and keep ``if_true``'s update where ``mask_of(key)`` is True."""
+
+    def init_fn(params: Any) -> tuple:
+        return if_true.init(params), if_false.init(params)
+
+    def update_fn(updates: Any, state: tuple, params: Any = None) -> tuple:
+        a, sa = if_true.update(updates, state[0], params)
+        b, sb = if_false.update(updates, state[1], params)
+        return {k: jnp.where(mask_of(k), a[k], b[k]) for k in updates}, (sa, sb)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def muon(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.95, nesterov: bool = True,
+         weight_decay: float = 0.0, adam_learning_rate: optax.ScalarOrSchedule = 3e-4,
+         adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8, *,
+         plan: MuonPlan | None = None) -> optax.GradientTransformation:
+    """Muon for 2-D parameters, AdamW for the others; decoupled weight decay on both.
+
+    Without ``plan`` the leaves are whole tensors and are split by ``ndim`` (``optax.partition``). With
+    ``plan`` (FSDP unit shards inside ``shard_map``) both run on every shard and a static per-device mask
+    picks Muon's update for elements of 2-D tensors.
+
+    Example:
+        >>> opt = muon(0.02, adam_learning_rate=3e-4, plan=muon_plan(fsdp.layouts, fsdp.axis))
+        >>> step = fsdp.train_step(opt, loss_fn)
+
+    References:
+        Jordan et al., Muon (2024); veScale-FSDP Algorithm 2 (2026).
+    """
+    matrices = optax.chain(scale_by_muon(momentum, nesterov, plan=plan),
+                           optax.add_decayed_weights(weight_decay),
+                           optax.scale_by_learning_rate(learning_rate))
+    adamw = optax.adamw(adam_learning_rate, adam_b1, adam_b2, adam_eps, weight_decay=weight_decay)
+    if plan is None:
+        partition = getattr(optax, "partition", None) or optax.multi_transform  # renamed in optax 0.2.4
+        return partition({"muon": matrices, "adamw": adamw},
+                         lambda params: jax.tree.map(lambda p: "muon" if p.ndim == 2 else "adamw", params))
+    return _select(lambda k: jnp.asarray(plan.masks[k])[lax.axis_index(plan.axis)], matrices, adamw)
