@@ -27,17 +27,20 @@ class DBuffer:
         rank: this device's index on the sharding mesh dim.
         dtype: element type of both buffers.
         device: where both buffers live (taken from the mesh by the caller).
+        with_shard: False for a buffer only ever used unsharded (gradients before their reduce): its
+            ``shard`` is then empty and holds no memory.
     """
 
     layout: Layout
     rank: int
-    shard: torch.Tensor  # 1D [shard_size], persistent
+    shard: torch.Tensor  # 1D [shard_size] (or [0] without a shard), persistent
     full: torch.Tensor  # 1D [world_size * shard_size], storage allocated only while unsharded
 
-    def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device,
+                 with_shard: bool = True) -> None:
         self.layout = layout
         self.rank = rank
-        self.shard = torch.zeros(layout.shard_size, dtype=dtype, device=device)
+        self.shard = torch.zeros(layout.shard_size if with_shard else 0, dtype=dtype, device=device)
         self.full = torch.empty(layout.total_numel, dtype=dtype, device=device)
         self._pieces = {p.name: p for p in layout.local_pieces(rank)}
         self._full_views = {t.name: self.full[t.offset:t.end].view(t.shape) for t in layout.tensors}
@@ -76,20 +79,30 @@ class DBuffer:
         piece = self._pieces.get(name)
         return (piece.start, piece.stop) if piece else (0, 0)
 
-    # ----- the unsharded buffer's storage ---------------------------------------------------------
+    # ----- storage on demand ----------------------------------------------------------------------
     @property
     def full_allocated(self) -> bool:
-        return self.full.untyped_storage().size() > 0
+        return _allocated(self.full)
 
     def alloc_full(self) -> None:
         """Give ``full`` its storage back (on the current stream); views made before stay valid."""
-        if not self.full_allocated:
-            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        _alloc(self.full)
 
     def free_full(self) -> None:
         """Release ``full``'s storage; every view into it keeps its metadata."""
-        if self.full_allocated:
-            self.full.untyped_storage().resize_(0)
+        _free(self.full)
+
+    @property
+    def shard_allocated(self) -> bool:
+        return _allocated(self.shard)
+
+    def alloc_shard(self) -> None:
+        """Give ``shard`` its storage back (uninitialised) after ``free_shard``."""
+        _alloc(self.shard)
+
+    def free_shard(self) -> None:
+        """Release ``shard``'s storage (the sharded gradients between zero_grad and the next reduce)."""
+        _free(self.shard)
 
     # ----- group operations over the shard --------------------------------------------------------
     def zero_(self) -> None:
@@ -110,3 +123,17 @@ class DBuffer:
     def norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The ``norm_type`` vector norm of every tensor of the unit held here, in one kernel."""
         return torch.linalg.vector_norm(self.shard, norm_type, dtype=torch.float32)
+
+
+def _allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().size() > 0
+
+
+def _alloc(t: torch.Tensor) -> None:
+    if not _allocated(t):
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def _free(t: torch.Tensor) -> None:
+    if _allocated(t):
+        t.untyped_storage().resize_(0)

@@ -139,6 +139,9 @@ class RootContext:
         if self.in_backward:  # a forward (e.g. recomputation) inside backward keeps the order
             return
         self.end_step()
+        for s in self.states:
+            if s.unit is not None:
+                s.unit.release_unused_gradients()  # zero_grad(set_to_none=True) ran since the last step
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order = []

@@ -71,8 +71,8 @@ class Unit:
     state: UnitState
     master: DBuffer  # master dtype; shard = the sharded weights
     compute: DBuffer  # compute dtype (``master`` itself without mixed precision); full = unsharded weights
-    grads: DBuffer  # compute dtype; full = unsharded gradients; shard = scratch for accumulating reduces
-    reduce: DBuffer  # reduce dtype (``grads`` itself when equal); full = reduce-scatter input
+    grads: DBuffer  # compute dtype; full = unsharded gradients (no shard)
+    reduce: DBuffer  # reduce dtype (``grads`` itself when equal); full = reduce-scatter input (no shard)
     main_grad: DBuffer  # master dtype; shard = the sharded gradients
     requires_grad_sync: bool
     ag_stream: torch.cuda.Stream | None  # set by the root on CUDA
@@ -95,9 +95,9 @@ class Unit:
         self.master = DBuffer(layout, self.rank, master_dtype, device)
         self.compute = self.master if compute_dtype == master_dtype else DBuffer(
             layout, self.rank, compute_dtype, device)
-        self.grads = DBuffer(layout, self.rank, compute_dtype, device)
+        self.grads = DBuffer(layout, self.rank, compute_dtype, device, with_shard=False)
         self.reduce = self.grads if reduce_dtype == compute_dtype else DBuffer(
-            layout, self.rank, reduce_dtype, device)
+            layout, self.rank, reduce_dtype, device, with_shard=False)
         self.main_grad = DBuffer(layout, self.rank, master_dtype, device)
         self.requires_grad_sync = True
         self.ag_stream = self.rs_stream = None
@@ -125,6 +125,7 @@ class Unit:
                 unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
             self.unsharded.append(unsharded)
         self._register(self.sharded)
+        self.main_grad.free_shard()  # views are made; the storage comes back with the first reduce
 
         self._pending_all_gather: Pending | None = None
         self._pending_reduce: Pending | None = None
@@ -238,14 +239,23 @@ class Unit:
         self._accumulate_into_grads = any(p.grad is not None for p in self.sharded)
         direct = not self._accumulate_into_grads and self.reduce.dtype == self.main_grad.dtype
         with side_stream(self.rs_stream):
+            self.main_grad.alloc_shard()
             if self.reduce is not self.grads:
                 self.reduce.alloc_full()
                 record_copy(self.reduce.full, self.grads.full)
                 self.reduce.full.copy_(self.grads.full)  # reduce in reduce_dtype
-            self._reduce_out = self.main_grad.shard if direct else self.reduce.shard
+            # Straight into the sharded gradients, unless they must be added to or cast: then a scratch
+            # shard that lives until the reduce is finished.
+            self._reduce_out = self.main_grad.shard if direct else torch.empty(
+                self.layout.shard_size, dtype=self.reduce.dtype, device=self.main_grad.shard.device)
             self._pending_reduce = reduce_scatter(self._reduce_out, self.reduce.full, self.shard_group,
                                                   unit=self.name)
         return True
+
+    def release_unused_gradients(self) -> None:
+        """Free the sharded gradient shard if no sharded parameter holds its gradient (after zero_grad)."""
+        if all(p.grad is None for p in self.sharded):
+            self.main_grad.free_shard()
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter (and the HSDP all-reduce) and set the sharded ``.grad`` views."""
@@ -265,6 +275,7 @@ class Unit:
                 self.main_grad.add_(out)
             else:
                 self.main_grad.copy_(out)  # a cast: reduced in another dtype than the master's
+        self._reduce_out = None
         self.grads.free_full()
         self.reduce.free_full()
         for p, g in zip(self.sharded, self._sharded_grads):
