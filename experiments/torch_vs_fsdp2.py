@@ -298,8 +298,8 @@ def _markdown(s: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     t0 = time.perf_counter()
     timing = _launch("timing", "both", args.warmup, args.steps)
