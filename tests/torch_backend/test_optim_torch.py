@@ -221,6 +221,57 @@ def test_distributed_muon_equals_single_process_muon(world):
             assert not torch.equal(got[n], params[n]), f"{n} did not move"
 
 
+# ----- both optimizers on fully_shard units ---------------------------------------------------------------
+class _Net(torch.nn.Module):
+    """Two tiled matrices, a norm and a bias: every kind of block the optimizers meet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 96, bias=False)
+        self.norm = torch.nn.LayerNorm(96)
+        self.b = torch.nn.Linear(96, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x)))
+
+
+def _fit(model: torch.nn.Module, make_opt, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    opt, losses = make_opt(list(model.named_parameters())), []
+    for _ in range(5):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("make_opt", [_adam8bit, _muon], ids=["adam8bit", "muon"])
+def test_optimizers_on_fully_shard_units_match_single_process(make_opt, world):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_backend import fully_shard
+
+    torch.manual_seed(0)
+    base, x, y = _Net(), torch.randn(16, 64), torch.randn(16, 32)
+    model = copy.deepcopy(base)
+    want = _fit(model, make_opt, x, y)
+
+    def fn(rank: int, world: int):
+        sharded = fully_shard(copy.deepcopy(base), mesh=init_device_mesh("cpu", (world,)),
+                              granularity=lambda name, p: ragged.tile_granularity(tuple(p.shape)))
+        return _fit(sharded, make_opt, x, y), {n: p.full_tensor() for n, p in sharded.named_parameters()}
+
+    for losses, params in run_threads(world, fn):
+        torch.testing.assert_close(losses, want, rtol=1e-5, atol=0)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+    assert want[-1] < 0.7 * want[0]  # it trains
+
+
 def checks(rank: int, world: int) -> dict:
     """gloo worker: one Muon step's collectives as CommDebugMode sees them."""
     from torch.distributed.device_mesh import init_device_mesh
