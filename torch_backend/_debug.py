@@ -35,10 +35,6 @@ class DebugCounter:
     copy_bytes: int = 0
     cast_bytes: int = 0
 
-    def count(self, kind: str) -> int:
-        """Collectives of ``kind`` issued, over all units."""
-        return sum(n for (k, _), n in self.calls.items() if k == kind)
-
     def per_unit(self, kind: str) -> dict[str, int]:
         """Collectives of ``kind`` issued, per unit name."""
         return {unit: n for (k, unit), n in self.calls.items() if k == kind}

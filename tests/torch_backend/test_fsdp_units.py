@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,7 +63,6 @@ def test_dbuffer_views_share_its_storage_and_survive_free():
     layout = ragged.plan([("a", (5, 3), "rows:1"), ("b", (7,)), ("c", (2, 4), "rows:1")], 3, align=1)
     buf = DBuffer(layout, 1, torch.float32, torch.device("cpu"))
     assert not buf.full_allocated
-    lo, hi = layout.shard_range(1)
     for piece in layout.local_pieces(1):
         view = buf.shard_view(piece.name)
         assert view.untyped_storage().data_ptr() == buf.shard.untyped_storage().data_ptr()
@@ -82,9 +82,28 @@ def test_dbuffer_views_share_its_storage_and_survive_free():
     buf.alloc_full()
     buf.full.fill_(2.0)
     assert torch.equal(buf.full_view("a"), torch.full((5, 3), 2.0))  # the old views see the new storage
-    buf.shard.copy_(torch.arange(float(layout.shard_size)))
-    expect = torch.linalg.vector_norm(torch.arange(float(layout.shard_size)))
-    torch.testing.assert_close(buf.norm(), expect)
+
+
+def test_dbuffer_group_ops_run_once_over_the_shard():
+    from torch_backend import debug_counter
+
+    layout = ragged.plan([("a", (5, 3), "rows:1"), ("b", (7,))], 2, align=4)
+    buf = DBuffer(layout, 0, torch.float32, torch.device("cpu"))
+    x = torch.arange(float(layout.shard_size))
+    with debug_counter() as c:
+        buf.copy_(x)
+    assert torch.equal(buf.shard, x) and c.copy_bytes == x.numel() * 4 and c.cast_bytes == 0
+    buf.scale_(0.5)
+    buf.add_(torch.ones(layout.shard_size))
+    expect = x * 0.5 + 1
+    assert torch.equal(buf.shard, expect)
+    torch.testing.assert_close(buf.norm(3.0), torch.tensor(float(np.linalg.norm(expect.numpy(), 3))))
+    assert torch.equal(buf.shard_view("a"), expect[:buf.shard_view("a").numel()])  # views see the ops
+    buf.zero_()
+    assert not buf.shard.any()
+    with debug_counter() as c:
+        buf.copy_(x.double())
+    assert c.cast_bytes == x.numel() * 4 and c.copy_bytes == 0
     with pytest.raises(KeyError, match="'d'"):
         buf.shard_view("d")
 
