@@ -32,6 +32,7 @@ from ragged._tiles import (
     block_ids,
     block_table,
     check_tiles_local,
+    quant_block,
     tile_granularity,
     tile_grid,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "block_ids",
     "block_table",
     "check_tiles_local",
+    "quant_block",
     "newton_schulz_cost",
     "tile_granularity",
     "tile_grid",

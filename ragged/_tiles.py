@@ -1,15 +1,18 @@
 """Quantization blocks of 8-bit optimizer state, and where they live on each device.
 
-8-bit Adam keeps one scale per block of its state. A matrix whose 2-D view ``(prod(shape[:-1]),
-shape[-1])`` the tile ``R x C`` divides (default 32 x 32) is *tiled*: its blocks are the ``R x C``
-tiles, numbered row-major over the tile grid. Every other tensor (1-D, or a matrix the tile does not
-divide) has one element per block, so its state is kept at full precision (one fp32 scale per element).
+8-bit Adam keeps one scale per block of its state. Each tensor's block (``quant_block``) is a rectangle
+of its 2-D view ``(prod(shape[:-1]), shape[-1])``, numbered row-major over the block grid:
 
-A tile lives on one device when every device's flat range of the tensor starts and ends on a band
-edge (a multiple of ``R * cols`` elements): that is what the granularity ``tiles:RxC`` guarantees, so
-each device quantizes its own tiles with no metadata communication. A placement that cuts a tile is
-rejected with ``TileError`` naming the tensor. Backends read the block of every local element from
-here (``block_ids``, ``local_block_ids``, ``block_table``) instead of recomputing offsets.
+- a matrix the tile ``R x C`` divides (default 32 x 32) is *tiled*: its blocks are the ``R x C`` tiles;
+- another matrix has one block per row (``1 x cols``);
+- a 1-D tensor has one element per block (its state stays at full precision; norms and biases are small).
+
+A block lives on one device when every device's flat range of the tensor starts and ends on a band edge
+(a multiple of ``block_rows * cols`` elements): that is what the granularity ``tiles:RxC`` guarantees for
+tiled matrices (``rows:1`` for the others; ``tile_granularity`` picks it), so each device quantizes its own
+blocks with no metadata communication. A placement that cuts a block is rejected with ``TileError``
+naming the tensor. Backends read the block of every local element from here (``block_ids``,
+``local_block_ids``, ``block_table``) instead of recomputing offsets.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ TILE = (32, 32)
 
 
 class TileError(GranularityError):
-    """A placement or layout that cuts a quantization tile across devices."""
+    """A placement or layout that cuts a quantization block across devices."""
 
 
 def tile_grid(shape: Shape, tile: tuple[int, int] = TILE) -> tuple[int, int] | None:
@@ -44,10 +47,24 @@ def tile_grid(shape: Shape, tile: tuple[int, int] = TILE) -> tuple[int, int] | N
     return rows // tile[0], cols // tile[1]
 
 
+def quant_block(shape: Shape, tile: tuple[int, int] = TILE) -> tuple[int, int]:
+    """The quantization block ``(rows, cols)`` of a tensor's 2-D view: the tile, one row, or one element."""
+    if tile_grid(shape, tile):
+        return tile
+    if len(shape) >= 2:
+        return 1, int(shape[-1])
+    return 1, 1
+
+
+def _width(shape: Shape) -> int:
+    """Columns of the view the blocks tile: the last dim of a matrix; 1 for a vector (one element a row)."""
+    return int(shape[-1]) if len(shape) >= 2 else 1
+
+
 def tile_granularity(shape: Shape, otherwise: Granularity | int | str = "rows:1",
                      tile: tuple[int, int] = TILE) -> Granularity:
     """``tiles:RxC`` for a tiled matrix, else ``granularity_for(shape, otherwise)``: the planner rule that
-    keeps every quantization tile on one device (the paper's granularity for 8-bit Adam)."""
+    keeps every quantization block on one device (the paper's granularity for 8-bit Adam)."""
     if tile_grid(shape, tile):
         return Granularity("tiles", tile[0], tile[1])
     return granularity_for(shape, otherwise)
@@ -56,7 +73,7 @@ def tile_granularity(shape: Shape, otherwise: Granularity | int | str = "rows:1"
 def check_tiles_local(
     shape: Shape, ranges: Sequence[tuple[int, int]], name: str = "tensor", tile: tuple[int, int] = TILE
 ) -> None:
-    """Raise ``TileError`` if a device's flat range ``[start, stop)`` of a tiled matrix cuts a tile.
+    """Raise ``TileError`` if a device's flat range ``[start, stop)`` cuts a quantization block.
 
     Args:
         shape: the tensor's global shape.
@@ -65,18 +82,17 @@ def check_tiles_local(
         tile: the tile ``(R, C)``.
 
     Raises:
-        TileError: naming the tensor, the device, its range and the band size; tensors that are not
-            tiled are never rejected (their blocks are single elements).
+        TileError: naming the tensor, the device, its range, the block and the granularity to plan with.
     """
-    if tile_grid(shape, tile) is None:
-        return
-    band = tile[0] * shape[-1]
+    rows, cols = quant_block(shape, tile)
+    band = rows * _width(shape)
     for rank, (start, stop) in enumerate(ranges):
         if start < stop and (start % band or stop % band):
+            rule = tile_granularity(tuple(shape), tile=tile)
             raise TileError(
                 f"{name}: device {rank} holds elements [{start}, {stop}) of shape {tuple(shape)}, which cuts "
-                f"its {tile[0]}x{tile[1]} quantization tiles (a device must hold whole bands of {band} "
-                f"elements); plan this tensor with granularity 'tiles:{tile[0]}x{tile[1]}'"
+                f"its {rows}x{cols} quantization blocks (a device must hold whole bands of {band} "
+                f"elements); plan this tensor with granularity '{rule}' (ragged.tile_granularity)"
             )
 
 
@@ -85,25 +101,23 @@ def block_ids(
 ) -> np.ndarray:
     """The quantization block of each element of ``[start, stop)`` of the flattened tensor.
 
-    Blocks are numbered from 0 at the first block of the range: tiles row-major over the local bands
-    of a tiled matrix, one block per element otherwise.
+    Blocks (``quant_block``) are numbered row-major over the block grid, from 0 at the first block of
+    the range.
 
     Returns:
         An int32 array of ``stop - start`` block ids.
 
     Raises:
-        TileError: the range cuts a tile.
+        TileError: the range cuts a block.
     """
     check_tiles_local(shape, [(start, stop)], name, tile)
+    rows, cols = quant_block(shape, tile)
+    width = _width(shape)
     flat = np.arange(start, stop, dtype=np.int64)
-    if tile_grid(shape, tile) is None:
-        return (flat - start).astype(np.int32)
-    cols = shape[-1]
-    row, col = flat // cols, flat % cols
-    tiles_per_band = cols // tile[1]
-    tile_id = (row // tile[0]) * tiles_per_band + col // tile[1]
-    first = (start // cols // tile[0]) * tiles_per_band  # the range starts on a band edge
-    return (tile_id - first).astype(np.int32)
+    per_band = width // cols
+    ids = (flat // width // rows) * per_band + (flat % width) // cols
+    first = (start // width // rows) * per_band  # the range starts on a band edge
+    return (ids - first).astype(np.int32)
 
 
 def local_block_ids(layout: Layout, rank: int, tile: tuple[int, int] = TILE) -> tuple[np.ndarray, int]:

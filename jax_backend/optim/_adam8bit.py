@@ -1,8 +1,8 @@
 """8-bit blockwise Adam(W) as optax transformations, with 32x32 quantization tiles that never cross devices.
 
 Every element of every leaf belongs to one quantization block (``ragged.block_ids``): the 32x32 tiles of
-a tiled matrix, one element per block otherwise (1-D tensors and matrices the tile does not divide keep
-full-precision state). Quantization is a segment reduction over those block ids:
+a matrix the tile divides, one row of another matrix, one element of a 1-D tensor (whose state so stays
+at full precision). Quantization is a segment reduction over those block ids:
 
 - first moment ``m``: int8 codes ``round(m * 127 / max|m|)`` per block, one fp32 scale per block;
 - second moment ``v``: uint8 codes ``round(sqrt(v) * 255 / max sqrt(v))``, ``v = (q * scale / 255) ** 2``.
@@ -13,7 +13,7 @@ stores the requantized moments (the same scheme as ``torch_backend.optim.Adam8bi
 Blocks of a leaf come from its ``blocks`` entry: ``WholeBlocks`` (default: the leaf is a whole tensor) or
 ``ShardBlocks`` (the leaf is an FSDP unit's local shard inside ``shard_map``: the core's static
 ``BlockTable`` of every device, indexed by ``lax.axis_index``, so one trace serves all devices). Tiles
-are local by construction (granularity ``tiles:32x32``), so no scale or code ever crosses devices.
+are local by construction (granularity ``ragged.tile_granularity``), so no scale or code ever crosses devices.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def shard_blocks(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.TILE)
     """``{unit: ShardBlocks}`` for the FSDP step's local shards (``FSDP.train_step``'s optimizer).
 
     Raises:
-        ragged.TileError: a tensor whose layout cuts a tile (e.g. planned with element granularity),
-            naming it; use granularity ``tiles:32x32`` for matrices.
+        ragged.TileError: a tensor whose layout cuts a quantization block (e.g. a matrix planned with
+            element granularity), naming it; plan with ``ragged.tile_granularity``.
     """
     return {layout.name: ShardBlocks(ragged.block_table(layout, tile), axis) for layout in layouts}
 

@@ -10,12 +10,20 @@ import pytest
 
 import ragged
 from ragged._muon_roots import assign_roots, newton_schulz_cost
-from ragged._tiles import TileError, block_ids, block_table, check_tiles_local, local_block_ids, tile_grid
+from ragged._tiles import (
+    TileError,
+    block_ids,
+    block_table,
+    check_tiles_local,
+    local_block_ids,
+    quant_block,
+    tile_grid,
+)
 
 
 def _tile_of_every_element(shape, tile):
     """Brute force: label each element of the 2-D view with its tile's row-major index."""
-    cols = shape[-1]
+    cols = shape[-1] if shape else 1
     rows = math.prod(shape) // cols
     r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     return ((r // tile[0]) * (cols // tile[1]) + c // tile[1]).reshape(-1)
@@ -45,9 +53,13 @@ def test_tile_granularity_tiles_what_the_tile_divides():
     assert str(ragged.tile_granularity((64,))) == "element"
 
 
-def test_untiled_tensors_have_one_element_per_block():
+def test_untiled_matrices_have_row_blocks_and_vectors_element_blocks():
+    assert quant_block((48, 32)) == (1, 32) and quant_block((7,)) == (1, 1)
+    assert quant_block((64, 64)) == (32, 32)
     np.testing.assert_array_equal(block_ids((7,), 2, 6), [0, 1, 2, 3])
-    np.testing.assert_array_equal(block_ids((48, 32), 5, 8), [0, 1, 2])  # 48 rows: not tiled
+    np.testing.assert_array_equal(block_ids((6, 4), 8, 20), np.repeat([0, 1, 2], 4))  # 6 rows: not tiled
+    with pytest.raises(TileError, match=r"w2.*1x4 quantization blocks.*'rows:1'"):
+        block_ids((6, 4), 2, 8, name="w2")
 
 
 def test_a_range_that_cuts_a_tile_is_rejected_naming_the_tensor():
@@ -72,10 +84,7 @@ def test_local_block_ids_keep_each_tile_on_one_device(world):
             slot = layout.slot(p.name)
             local = ids[p.local_offset:p.local_offset + p.stop - p.start]
             seen |= set(local.tolist())
-            if tile_grid(slot.shape):
-                glob = _tile_of_every_element(slot.shape, (32, 32))[p.start:p.stop]
-            else:
-                glob = np.arange(p.start, p.stop)
+            glob = _tile_of_every_element(slot.shape, quant_block(slot.shape))[p.start:p.stop]
             # local ids are a relabelling of the global blocks: same partition of the elements
             pairs = set(zip(glob.tolist(), local.tolist()))
             assert len(pairs) == len(set(glob.tolist())) == len(set(local.tolist()))
@@ -83,7 +92,7 @@ def test_local_block_ids_keep_each_tile_on_one_device(world):
                 assert holder.setdefault((p.name, g), rank) == rank, f"{p.name} block {g} on two devices"
         assert seen == set(range(count))  # dense numbering
     # every block of every tensor is somewhere
-    assert len(holder) == 6 + 2 + 64 + 320
+    assert len(holder) == 6 + 64 + 2 + 40  # tiles of a, elements of n, tiles of b, rows of c
 
 
 def test_local_block_ids_reject_an_element_layout_that_cuts_a_tile():

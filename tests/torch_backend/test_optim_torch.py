@@ -136,8 +136,8 @@ def test_adam8bit_rejects_a_layout_that_cuts_tiles_on_every_rank():
         assert "layers.0.attention.wq.weight" in msg and "tiles:32x32" in msg
 
 
-def test_to_blocks_follows_the_core_block_ids():
-    shape, band = (96, 64), 32 * 64
+@pytest.mark.parametrize("shape,band", [((96, 64), 32 * 64), ((6, 40), 40), ((7,), 1)])
+def test_to_blocks_follows_the_core_block_ids(shape, band):
     for start, stop in [(0, 3 * band), (band, 3 * band), (2 * band, 3 * band)]:
         blocks = to_blocks(torch.arange(start, stop), shape, ragged.TILE)
         ids = ragged.block_ids(shape, start, stop)

@@ -1,11 +1,11 @@
 """8-bit blockwise AdamW whose quantization blocks are 32x32 tiles kept whole on one device.
 
 The math is plain functions over flat local tensors; ``Adam8bit`` is a thin ``torch.optim.Optimizer``
-shell that owns the state. Blocks come from the core (``ragged.tile_grid``, ``ragged.check_tiles_local``):
-a tiled matrix's local slice is whole bands of ``R`` rows, so ``to_blocks`` is a reshape + permute of the
-local tensor into ``(tiles, R * C)`` in the core's tile order, and each device quantizes its own tiles
-with no communication. Other tensors (1-D, or matrices the tile does not divide) have one element per
-block, which keeps their state at full precision.
+shell that owns the state. Blocks come from the core (``ragged.quant_block``, ``ragged.check_tiles_local``):
+32x32 tiles of matrices the tile divides, one row of other matrices, one element of 1-D tensors (whose
+state so stays at full precision). A local slice is whole bands of blocks, so ``to_blocks`` is a reshape
++ permute of the local tensor into ``(blocks, block numel)`` in the core's block order, and each device
+quantizes its own blocks with no communication.
 
 Quantization (per block, state stored in block order):
 
@@ -62,23 +62,26 @@ def dequantize_sqrt(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # ----- blocks of a local slice -------------------------------------------------------------------
-def to_blocks(flat: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
-    """A local flat slice (whole bands of a tiled matrix, or any slice otherwise) -> ``(blocks, n)``.
+def _grid(shape: tuple[int, ...], tile: Tile) -> tuple[int, int, int]:
+    """``(block rows, blocks per band, block cols)`` of the core's ``quant_block``."""
+    r, c = ragged.quant_block(shape, tile)
+    width = shape[-1] if len(shape) >= 2 else 1
+    return r, width // c, c
 
-    Tiles come out in the core's order (``ragged.block_ids``): bands top to bottom, tiles left to right.
+
+def to_blocks(flat: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
+    """A local flat slice of whole bands (``ragged.check_tiles_local``) -> ``(blocks, block numel)``.
+
+    Blocks come out in the core's order (``ragged.block_ids``): bands top to bottom, blocks left to right.
     """
-    if ragged.tile_grid(shape, tile) is None:
-        return flat.reshape(-1, 1)
-    r, c, cols = tile[0], tile[1], shape[-1]
-    return flat.reshape(-1, r, cols // c, c).permute(0, 2, 1, 3).reshape(-1, r * c)  # (tiles, R*C)
+    r, per_band, c = _grid(shape, tile)
+    return flat.reshape(-1, r, per_band, c).permute(0, 2, 1, 3).reshape(-1, r * c)
 
 
 def from_blocks(blocks: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
-    """The inverse of ``to_blocks``: ``(blocks, n)`` -> the flat local slice."""
-    if ragged.tile_grid(shape, tile) is None:
-        return blocks.reshape(-1)
-    r, c, cols = tile[0], tile[1], shape[-1]
-    return blocks.reshape(-1, cols // c, r, c).permute(0, 2, 1, 3).reshape(-1)
+    """The inverse of ``to_blocks``: ``(blocks, block numel)`` -> the flat local slice."""
+    r, per_band, c = _grid(shape, tile)
+    return blocks.reshape(-1, per_band, r, c).permute(0, 2, 1, 3).reshape(-1)
 
 
 # ----- the AdamW math --------------------------------------------------------------------------------
@@ -167,8 +170,8 @@ class Adam8bit(torch.optim.Optimizer):
         tile: the quantization tile ``(R, C)``.
 
     Raises:
-        ragged.TileError: a tiled matrix whose placement cuts a tile (an element-granularity layout),
-            raised at construction on every rank, naming the parameter.
+        ragged.TileError: a placement that cuts a quantization block (e.g. an element-granularity layout
+            of a matrix), raised at construction on every rank, naming the parameter.
 
     Example:
         >>> opt = Adam8bit(model.named_parameters(), lr=1e-3, weight_decay=0.1)
