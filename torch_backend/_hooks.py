@@ -3,10 +3,11 @@
 Mechanism (FSDP2's): a forward pre-hook unshards the unit (one all-gather) and prefetches the next one;
 a forward hook reshards it (when ``reshard_after_forward``) and hooks the outputs so that the first
 gradient reaching them unshards the unit again before its backward and prefetches the previous unit.
-Gradients land in the unit's unsharded gradient buffer; when the last one lands (a post-accumulate-grad
-hook) the unit reshards and issues its reduce-scatter, and finishes the one issued before it, so at
-most two are in flight. The root (the outermost unit, found at the first forward) queues a callback at
-the end of backward that finishes every reduce and reshards whatever is still unsharded.
+Gradients land in the unit's unsharded gradient buffer (set up by a hook on the unit's first
+gradient); when the last one lands (a post-accumulate-grad hook) the unit finishes the reduce-scatter
+issued before it (which overlapped with this unit's backward), reshards and issues its own. The root
+(the outermost unit, found at the first forward) queues a callback at the end of backward that
+finishes every reduce and reshards whatever is still unsharded.
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ class FSDPState:
         self.root.begin_backward()
         if self.unit is not None:
             self.unit.unshard()
-            self.unit.prepare_gradients()
         targets = self.backward_prefetch
         if targets is None:
             targets = self.root.next_in(self.root.forward_order, self, -1)
@@ -98,9 +98,16 @@ class FSDPState:
                 t.unit.unshard(async_op=True)
 
     def post_backward(self) -> None:
-        """All of this unit's gradients landed: reshard and reduce, finish the reduce issued before."""
-        if self.unit is not None and self.unit.post_backward():
-            self.root.finish_reduces(keep=self.unit)
+        """All of this unit's gradients landed: finish the reduce issued before, reshard, reduce.
+
+        The previous unit's reduce-scatter ran while this unit's backward computed; finishing it first
+        frees its unsharded gradients before this unit's reduce needs memory, so one is in flight.
+        """
+        if self.unit is None:
+            return
+        self.root.finish_reduces()
+        if self.unit.post_backward():
+            self.root.reducing(self.unit)
 
 
 class RootContext:
@@ -151,15 +158,15 @@ class RootContext:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self.end_backward)
 
-    def finish_reduces(self, keep: Unit | None = None) -> None:
-        """Finish every issued reduce-scatter except ``keep`` (just issued, left to overlap)."""
-        still = []
+    def reducing(self, unit: Unit) -> None:
+        """``unit`` issued its reduce-scatter; it is finished by the next unit's or the final callback."""
+        self._reducing.append(unit)
+
+    def finish_reduces(self) -> None:
+        """Finish every issued reduce-scatter."""
         for unit in self._reducing:
-            if unit is not keep:
-                unit.finish_reduce()
-        if keep is not None:
-            still.append(keep)
-        self._reducing = still
+            unit.finish_reduce()
+        self._reducing = []
 
     def end_backward(self) -> None:
         """The end-of-backward callback: reduce units whose hooks did not all fire, finish, reshard."""

@@ -122,6 +122,7 @@ class Unit:
             self._sharded_grads.append(_dtensor(local_grad, mesh, mesh_placements, shape))
             unsharded = nn.Parameter(self.compute.full_view(ref.name), requires_grad=orig.requires_grad)
             if orig.requires_grad:
+                unsharded.register_hook(self._on_first_grad)
                 unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
             self.unsharded.append(unsharded)
         self._register(self.sharded)
@@ -205,6 +206,11 @@ class Unit:
         self.state = UnitState.SHARDED
 
     # ----- gradients ------------------------------------------------------------------------------
+    def _on_first_grad(self, grad: torch.Tensor) -> None:
+        # Runs before autograd accumulates a gradient of this unit: the buffer is allocated only now,
+        # after the backward ops that produced it released their inputs (lower peak memory).
+        self.prepare_gradients()
+
     def prepare_gradients(self) -> None:
         """Point every unsharded parameter's ``.grad`` at its view of the (zeroed) gradient buffer."""
         if self._grads_ready:
