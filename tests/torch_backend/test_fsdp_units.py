@@ -176,3 +176,30 @@ def test_fully_shard_a_list_and_the_root_names_units_by_fqn(mesh):
     unit = model.output._fsdp_state.unit
     assert unit.name == "output" and [r.name for r in unit.refs] == ["norm.weight", "output.weight"]
     assert unit.layout == plan_module([model.norm, model.output], 1, root=model)
+
+
+class _Partial(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+        self.frozen = torch.nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(self.used(x))
+
+
+def test_unused_and_frozen_parameters(mesh):
+    """A parameter without a gradient is reduced at the end of backward (as zeros: every rank must
+    step every slice alike); a frozen one gets no gradient at all."""
+    torch.manual_seed(0)
+    plain = _Partial()
+    model = _Partial()
+    model.load_state_dict(plain.state_dict())
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(2, 4)
+    for m in (plain, model):
+        m(x).sum().backward()
+    torch.testing.assert_close(model.used.weight.grad.full_tensor(), plain.used.weight.grad)
+    assert not model.unused.weight.grad.full_tensor().any() and plain.unused.weight.grad is None
+    assert model.frozen.weight.grad is None
