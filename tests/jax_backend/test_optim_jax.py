@@ -191,6 +191,14 @@ def test_distributed_muon_equals_single_device_muon(world):
     assert "all-gather" not in text and "all_gather" not in text and "all_reduce" not in text
 
 
+def test_scale_by_muon_without_a_plan_rejects_leaves_that_are_not_matrices():
+    from jax_backend.optim import scale_by_muon
+
+    opt, params = scale_by_muon(), {"norm": jnp.ones(4), "w": jnp.ones((4, 4))}
+    with pytest.raises(ValueError, match=r"'norm'.*\(4,\).*2-D"):
+        opt.update(params, opt.init(params))
+
+
 def test_muon_roots_are_balanced_over_the_devices():
     layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in MUON_SPECS], 3, name="unit")
     roots = [m.root for m in muon_plan([layout], "fsdp").matrices["unit"]]

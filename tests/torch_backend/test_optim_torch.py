@@ -136,6 +136,24 @@ def test_adam8bit_rejects_a_layout_that_cuts_tiles_on_every_rank():
         assert "layers.0.attention.wq.weight" in msg and "tiles:32x32" in msg
 
 
+def test_placements_that_can_cut_blocks_are_rejected_naming_the_parameter():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def fn(rank: int, world: int) -> list[str]:
+        mesh = init_device_mesh("cpu", (world,))
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 32), mesh, [Shard(0)]))
+        messages = []
+        for make in (Adam8bit, Muon):
+            with pytest.raises(ragged.PlacementError) as err:
+                make([("layers.3.feed_forward.w2.weight", p)])
+            messages.append(str(err.value))
+        return messages
+
+    for messages in run_threads(2, fn):
+        assert all("layers.3.feed_forward.w2.weight" in m and "RaggedShard" in m for m in messages), messages
+
+
 @pytest.mark.parametrize("shape,band", [((96, 64), 32 * 64), ((6, 40), 40), ((7,), 1)])
 def test_to_blocks_follows_the_core_block_ids(shape, band):
     for start, stop in [(0, 3 * band), (band, 3 * band), (2 * band, 3 * band)]:
