@@ -12,7 +12,7 @@ A block lives on one device when every device's flat range of the tensor starts 
 tiled matrices (``rows:1`` for the others; ``tile_granularity`` picks it), so each device quantizes its own
 blocks with no metadata communication. A placement that cuts a block is rejected with ``TileError``
 naming the tensor. Backends read the block of every local element from here (``block_ids``,
-``local_block_ids``, ``block_table``) instead of recomputing offsets.
+``local_block_ids``, ``piece_table``) instead of recomputing offsets.
 """
 
 from __future__ import annotations
@@ -143,20 +143,46 @@ def local_block_ids(layout: Layout, rank: int, tile: tuple[int, int] = TILE) -> 
     return ids, count
 
 
-class BlockTable(NamedTuple):
-    """Every device's block ids, for SPMD code that picks its row with the device index.
+class PieceTable(NamedTuple):
+    """Every device's pieces with their block geometry, padded to one count: a small static table.
 
-    ``ids[d]`` holds device ``d``'s block id per shard element, padding mapped to ``count`` (a spare
-    block that collects it), so segment reductions take ``count + 1`` segments.
+    SPMD code picks its row with the device index and derives each element's block id on the fly
+    (``searchsorted`` over ``offset``, then the block formula of ``block_ids``), so the table holds a few
+    ints per piece instead of one id per element. Missing pieces have ``offset = shard_size`` and length 0.
+    Padding elements belong to the spare block ``count``, so segment reductions take ``count + 1`` segments.
     """
 
-    ids: np.ndarray  # (world_size, shard_size) int32
+    offset: np.ndarray  # (world_size, pieces) int32: where the piece starts in the shard, ascending
+    length: np.ndarray  # (world_size, pieces) int32: elements in the piece
+    first: np.ndarray  # (world_size, pieces) int32: block id of the piece's first block on this device
+    width: np.ndarray  # (world_size, pieces) int32: columns of the tensor's 2-D view (1 for vectors)
+    rows: np.ndarray  # (world_size, pieces) int32: block rows (quant_block)
+    cols: np.ndarray  # (world_size, pieces) int32: block columns (quant_block)
     count: int  # the most blocks any device holds
 
 
-def block_table(layout: Layout, tile: tuple[int, int] = TILE) -> BlockTable:
-    """``local_block_ids`` of every device of ``layout`` as one static table (see ``BlockTable``)."""
-    rows = [local_block_ids(layout, rank, tile) for rank in range(layout.world_size)]
-    count = max(c for _, c in rows)
-    table = np.stack([np.where(ids < 0, count, ids) for ids, _ in rows]).astype(np.int32)
-    return BlockTable(table, count)
+def piece_table(layout: Layout, tile: tuple[int, int] = TILE) -> PieceTable:
+    """The ``PieceTable`` of ``layout``: block ids equal ``local_block_ids`` on every device.
+
+    Raises:
+        TileError: a piece cuts a quantization block of its tensor (naming it).
+    """
+    per_rank, count = [], 0
+    for rank in range(layout.world_size):
+        rows, first = [], 0
+        for piece in layout.local_pieces(rank):
+            shape = layout.slot(piece.name).shape
+            length = piece.stop - piece.start
+            check_tiles_local(shape, [(piece.start, piece.stop)], piece.name, tile)
+            r, c = quant_block(shape, tile)
+            width = _width(shape)
+            rows.append((piece.local_offset, length, first, width, r, c))
+            first += length // (r * width) * (width // c)
+        per_rank.append(rows)
+        count = max(count, first)
+    most = max(1, max(len(rows) for rows in per_rank))
+    empty = (layout.shard_size, 0, 0, 1, 1, 1)
+    table = np.array([rows + [empty] * (most - len(rows)) for rows in per_rank], dtype=np.int64)
+    if table.max() >= 2**31:
+        raise TileError(f"layout {layout.name!r}: shard size {layout.shard_size} overflows int32 block ids")
+    return PieceTable(*(table[:, :, k].astype(np.int32) for k in range(6)), count)

@@ -12,7 +12,7 @@ stores the requantized moments (the same scheme as ``torch_backend.optim.Adam8bi
 
 Blocks of a leaf come from its ``blocks`` entry: ``WholeBlocks`` (default: the leaf is a whole tensor) or
 ``ShardBlocks`` (the leaf is an FSDP unit's local shard inside ``shard_map``: the core's static
-``BlockTable`` of every device, indexed by ``lax.axis_index``, so one trace serves all devices). Tiles
+``PieceTable`` of every device, indexed by ``lax.axis_index``, so one trace serves all devices). Tiles
 are local by construction (granularity ``ragged.tile_granularity``), so no scale or code ever crosses devices.
 """
 
@@ -57,23 +57,40 @@ class WholeBlocks:
         return jnp.asarray(self._ids)
 
 
+def piece_of(offset: jax.Array, length: jax.Array, size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each element ``i < size`` of a shard: its piece ``k``, its index ``j`` there, whether it is in one.
+
+    ``offset`` (ascending) and ``length`` describe the device's pieces (a row of a core table).
+    """
+    i = jnp.arange(size, dtype=jnp.int32)
+    k = jnp.clip(jnp.searchsorted(offset, i, side="right") - 1, 0, offset.shape[0] - 1)
+    j = i - offset[k]
+    return k, j, (j >= 0) & (j < length[k])
+
+
 @dataclass(frozen=True)
 class ShardBlocks:
     """Blocks of one FSDP unit's local shard ``(S,)``, for use inside ``shard_map`` over ``axis``.
 
-    ``table`` is the core's ``BlockTable``: row ``d`` is device ``d``'s block id per element, padding in
-    the spare block ``table.count``.
+    ``table`` is the core's ``PieceTable`` (a few ints per piece and device); each device picks its row
+    with ``lax.axis_index`` and derives every element's block id, padding in the spare block.
     """
 
-    table: ragged.BlockTable
+    table: ragged.PieceTable
     axis: str
+    shard_size: int
 
     @property
     def count(self) -> int:
         return self.table.count + 1  # the spare block collects padding
 
     def ids(self) -> jax.Array:
-        return jnp.asarray(self.table.ids)[lax.axis_index(self.axis)]
+        t = self.table
+        offset, length, first, width, rows, cols = (jnp.asarray(a)[lax.axis_index(self.axis)] for a in t[:6])
+        k, j, inside = piece_of(offset, length, self.shard_size)
+        w = width[k]
+        block = first[k] + (j // w // rows[k]) * (w // cols[k]) + (j % w) // cols[k]  # ragged.block_ids
+        return jnp.where(inside, block, t.count)
 
 
 def shard_blocks(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.TILE) -> dict[str, ShardBlocks]:
@@ -83,7 +100,7 @@ def shard_blocks(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.TILE)
         ragged.TileError: a tensor whose layout cuts a quantization block (e.g. a matrix planned with
             element granularity), naming it; plan with ``ragged.tile_granularity``.
     """
-    return {layout.name: ShardBlocks(ragged.block_table(layout, tile), axis) for layout in layouts}
+    return {lay.name: ShardBlocks(ragged.piece_table(lay, tile), axis, lay.shard_size) for lay in layouts}
 
 
 # ----- quantization over block ids -------------------------------------------------------------------

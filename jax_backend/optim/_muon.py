@@ -26,6 +26,7 @@ from jax import lax
 
 import ragged
 from jax_backend._redistribute import gather_tensor, scatter_tensor
+from jax_backend.optim._adam8bit import piece_of
 from ragged import Layout
 
 
@@ -61,33 +62,40 @@ class MuonMatrix:
 class MuonPlan:
     """The distributed Muon plan of a model's units: matrices with roots, and which elements they cover.
 
-    ``masks[unit][d]`` is True where device ``d``'s shard element belongs to a 2-D tensor.
+    ``pieces[unit]`` is ``(offset, length)``: per device, where its pieces of 2-D tensors lie in its shard
+    (``(world_size, pieces)`` int32 each, ascending, missing pieces at ``S`` with length 0); ``mask`` turns
+    a device's row into a per-element mask inside ``shard_map``.
     """
 
     layouts: tuple[Layout, ...]
     axis: str
     matrices: dict[str, tuple[MuonMatrix, ...]]
-    masks: dict[str, np.ndarray]  # unit -> (world_size, S) bool
+    pieces: dict[str, tuple[np.ndarray, np.ndarray]]
+
+    def mask(self, unit: str) -> jax.Array:
+        """True where this device's shard element of ``unit`` belongs to a 2-D tensor (inside shard_map)."""
+        offset, length = (jnp.asarray(a)[lax.axis_index(self.axis)] for a in self.pieces[unit])
+        size = next(lay.shard_size for lay in self.layouts if lay.name == unit)
+        return piece_of(offset, length, size)[2]
 
 
 def muon_plan(layouts: Sequence[Layout], axis: str) -> MuonPlan:
-    """Roots for every 2-D tensor of ``layouts`` (greedy largest-first over Newton-Schulz cost) and masks."""
+    """Roots for every 2-D tensor of ``layouts`` (greedy largest-first over Newton-Schulz cost) and pieces."""
     layouts = tuple(layouts)
     world = layouts[0].world_size if layouts else 1
     found = [(lay.name, t) for lay in layouts for t in lay.tensors if len(t.shape) == 2]
     roots = ragged.assign_roots([ragged.newton_schulz_cost(t.shape) for _, t in found], world)
     matrices = {lay.name: tuple(MuonMatrix(t.name, t.shape, r) for (u, t), r in zip(found, roots)
                                 if u == lay.name) for lay in layouts}
-    masks = {}
+    pieces = {}
     for lay in layouts:
         names = {m.name for m in matrices[lay.name]}
-        mask = np.zeros((lay.world_size, lay.shard_size), bool)
-        for d in range(lay.world_size):
-            for p in lay.local_pieces(d):
-                if p.name in names:
-                    mask[d, p.local_offset:p.local_offset + p.stop - p.start] = True
-        masks[lay.name] = mask
-    return MuonPlan(layouts, axis, matrices, masks)
+        rows = [[(p.local_offset, p.stop - p.start) for p in lay.local_pieces(d) if p.name in names]
+                for d in range(lay.world_size)]
+        most = max(1, max(len(r) for r in rows))
+        table = np.array([r + [(lay.shard_size, 0)] * (most - len(r)) for r in rows], np.int32)
+        pieces[lay.name] = (table[:, :, 0], table[:, :, 1])
+    return MuonPlan(layouts, axis, matrices, pieces)
 
 
 class ScaleByMuonState(NamedTuple):
@@ -191,4 +199,4 @@ def muon(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.95, nesterov
         partition = getattr(optax, "partition", None) or optax.multi_transform  # renamed in optax 0.2.4
         return partition({"muon": matrices, "adamw": adamw},
                          lambda params: jax.tree.map(lambda p: "muon" if p.ndim == 2 else "adamw", params))
-    return _select(lambda k: jnp.asarray(plan.masks[k])[lax.axis_index(plan.axis)], matrices, adamw)
+    return _select(plan.mask, matrices, adamw)

@@ -97,6 +97,25 @@ def test_adamw8bit_on_shards_gives_the_same_bits_as_on_full_tensors(world):
         assert not np.array_equal(np.asarray(got[n]), np.asarray(params[n])), f"{n} did not move"
 
 
+@pytest.mark.parametrize("world", (3, 4))
+def test_block_ids_and_muon_masks_on_each_device_match_the_core(world):
+    from ragged._tiles import local_block_ids
+
+    layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in ADAM_SPECS], world, name="unit")
+    blocks, plan = shard_blocks([layout], "fsdp")["unit"], muon_plan([layout], "fsdp")
+    mesh = make_mesh((world,), ("fsdp",))
+    ids, mask = jax.jit(shard_map(lambda: (blocks.ids(), plan.mask("unit")), mesh, in_specs=(),
+                                  out_specs=(P("fsdp"), P("fsdp"))))()
+    ids, mask = np.asarray(ids).reshape(world, -1), np.asarray(mask).reshape(world, -1)
+    for rank in range(world):
+        want, _ = local_block_ids(layout, rank)
+        np.testing.assert_array_equal(ids[rank], np.where(want < 0, blocks.count - 1, want))
+        dense = np.zeros(layout.shard_size, bool)
+        for p in layout.local_pieces(rank):
+            dense[p.local_offset:p.local_offset + p.stop - p.start] = len(layout.slot(p.name).shape) == 2
+        np.testing.assert_array_equal(mask[rank], dense)
+
+
 def test_a_layout_that_cuts_tiles_is_rejected_naming_the_tensor():
     layout = ragged.plan([ragged.TensorSpec("layers.0.feed_forward.w1.weight", (64, 64), "element")], 3)
     with pytest.raises(ragged.TileError, match=r"layers\.0\.feed_forward\.w1\.weight.*tiles:32x32"):

@@ -13,9 +13,9 @@ from ragged._muon_roots import assign_roots, newton_schulz_cost
 from ragged._tiles import (
     TileError,
     block_ids,
-    block_table,
     check_tiles_local,
     local_block_ids,
+    piece_table,
     quant_block,
     tile_grid,
 )
@@ -73,11 +73,12 @@ def test_local_block_ids_keep_each_tile_on_one_device(world):
     specs = [ragged.TensorSpec("a", (96, 64), "tiles:32x32"), ragged.TensorSpec("n", (64,), "element"),
              ragged.TensorSpec("b", (64, 32), "tiles:32x32"), ragged.TensorSpec("c", (40, 8), "rows:1")]
     layout = ragged.plan(specs, world)
-    table = block_table(layout)
+    table = piece_table(layout)
     holder: dict[tuple[str, int], int] = {}  # (tensor, global block) -> device
     for rank in range(world):
         ids, count = local_block_ids(layout, rank)
-        np.testing.assert_array_equal(table.ids[rank], np.where(ids < 0, table.count, ids))
+        np.testing.assert_array_equal(_ids_from_pieces(table, rank, layout.shard_size),
+                                      np.where(ids < 0, table.count, ids))
         assert count <= table.count
         seen = set()
         for p in layout.local_pieces(rank):
@@ -95,10 +96,19 @@ def test_local_block_ids_keep_each_tile_on_one_device(world):
     assert len(holder) == 6 + 64 + 2 + 40  # tiles of a, elements of n, tiles of b, rows of c
 
 
-def test_local_block_ids_reject_an_element_layout_that_cuts_a_tile():
+def _ids_from_pieces(table, rank: int, shard_size: int) -> np.ndarray:
+    """Each element's block id from the compact table, element by element (padding: the spare block)."""
+    out = np.full(shard_size, table.count)
+    for off, n, first, width, r, c in zip(*(a[rank] for a in table[:6])):
+        for j in range(n):
+            out[off + j] = first + (j // width // r) * (width // c) + (j % width) // c
+    return out
+
+
+def test_piece_table_rejects_an_element_layout_that_cuts_a_tile():
     layout = ragged.plan([ragged.TensorSpec("layers.1.wq.weight", (64, 64), "element")], 3)
     with pytest.raises(TileError, match=r"layers\.1\.wq\.weight"):
-        block_table(layout)
+        piece_table(layout)
 
 
 def _brute_makespan(costs, world):
