@@ -123,8 +123,8 @@ def adam8bit_direction(grad_blocks: torch.Tensor, state: Adam8bitState, step: in
 
 
 # ----- where a parameter's local slice sits ------------------------------------------------------------
-def local_slice(p: torch.Tensor, name: str) -> tuple[torch.Tensor, list[tuple[int, int]], int]:
-    """A parameter's local flat tensor, every device's flat range of it, and this device's index.
+def local_slice(p: torch.Tensor, name: str) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """A parameter's local flat tensor and every device's flat range of it.
 
     Plain tensors and replicated DTensors are whole on this device; a RaggedShard DTensor holds its
     ``RaggedShard`` range on the ragged mesh dim (the other mesh dims must be Replicate, as under HSDP).
@@ -133,7 +133,7 @@ def local_slice(p: torch.Tensor, name: str) -> tuple[torch.Tensor, list[tuple[in
         ragged.PlacementError: a DTensor placement other than RaggedShard / Replicate (naming ``name``).
     """
     if not isinstance(p, DTensor):
-        return p.detach().view(-1), [(0, p.numel())], 0
+        return p.detach().view(-1), [(0, p.numel())]
     placements = p.placements
     bad = [q for q in placements if not isinstance(q, (RaggedShard, Replicate))]
     if bad:
@@ -144,9 +144,8 @@ def local_slice(p: torch.Tensor, name: str) -> tuple[torch.Tensor, list[tuple[in
     local = p.to_local().detach().view(-1)
     dims = [i for i, q in enumerate(placements) if isinstance(q, RaggedShard)]
     if not dims:
-        return local, [(0, p.numel())], 0
-    ranges = list(placements[dims[0]].core.ranges(tuple(p.shape), name))
-    return local, ranges, p.device_mesh.get_local_rank(dims[0])
+        return local, [(0, p.numel())]
+    return local, list(placements[dims[0]].core.ranges(tuple(p.shape), name))
 
 
 def param_names(group: dict[str, Any], index: int) -> list[str]:
@@ -183,7 +182,7 @@ class Adam8bit(torch.optim.Optimizer):
         seen = 0
         for group in self.param_groups:
             for p, name in zip(group["params"], param_names(group, seen)):
-                _, ranges, _ = local_slice(p, name)
+                _, ranges = local_slice(p, name)
                 ragged.check_tiles_local(tuple(p.shape), ranges, name, group["tile"])
             seen += len(group["params"])
 
@@ -203,8 +202,8 @@ class Adam8bit(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
         shape, tile = tuple(p.shape), group["tile"]
-        local, _, _ = local_slice(p, name)
-        grad, _, _ = local_slice(p.grad, name + ".grad")
+        local, _ = local_slice(p, name)
+        grad, _ = local_slice(p.grad, name + ".grad")
         blocks = to_blocks(grad, shape, tile)
         state = self.state[p]  # plain tensors under Adam8bitState's field names, so state_dict round-trips
         if not state:

@@ -121,8 +121,8 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
-        local, _, _ = local_slice(p, name)
-        grad, _, _ = local_slice(p.grad, name + ".grad")
+        local, _ = local_slice(p, name)
+        grad, _ = local_slice(p.grad, name + ".grad")
         state = self.state[p]
         if not state:
             state["momentum"] = torch.zeros_like(local, dtype=torch.float32)
@@ -134,8 +134,8 @@ class Muon(torch.optim.Optimizer):
         local.add_(ortho.to(local.dtype), alpha=-group["lr"] * muon_scale(tuple(p.shape)))
 
     def _adamw(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
-        local, _, _ = local_slice(p, name)
-        grad, _, _ = local_slice(p.grad, name + ".grad")
+        local, _ = local_slice(p, name)
+        grad, _ = local_slice(p.grad, name + ".grad")
         state = self.state[p]
         if not state:
             state.update(step=0, exp_avg=torch.zeros_like(local, dtype=torch.float32),
