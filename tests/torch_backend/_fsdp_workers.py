@@ -259,8 +259,9 @@ def _layouts(mesh) -> dict:
 
 # ----- faults ---------------------------------------------------------------------------------------
 def fault_checks(rank: int, world: int, ckpt_dir: str, how: str) -> dict:
-    """Rank ``world - 1`` dies (``kill``: ``os._exit``; ``raise``: an exception) in the middle of a step,
-    or (``kill_saving``) while writing a checkpoint; the others report what they saw.
+    """Rank ``world - 1`` dies (``kill``: ``os._exit``; ``raise``: an exception), stops answering
+    (``hang``) in the middle of a step, or dies while writing a checkpoint (``kill_saving``); the
+    others report what they saw.
     """
     from torch_backend import save_checkpoint
 
@@ -286,6 +287,8 @@ def fault_checks(rank: int, world: int, ckpt_dir: str, how: str) -> dict:
             def fail(*_):
                 if how == "kill":
                     os._exit(1)
+                if how == "hang":
+                    time.sleep(3600)  # alive, connected, silent: only the timeout can end the others' wait
                 raise RuntimeError("injected failure on the last rank")
 
             model.layers[2].register_forward_pre_hook(fail)

@@ -47,7 +47,7 @@ def launch_survivors(fn: str, *args: object, answers: int, timeout_s: float = 60
     return results
 
 
-@pytest.mark.parametrize("how", ["kill", "raise"])
+@pytest.mark.parametrize("how", ["kill", "raise", "hang"])
 def test_survivor_names_the_collective_within_the_timeout(tmp_path, how):
     results = launch_survivors("fault_checks", str(tmp_path), how, answers=WORLD if how == "raise" else 1)
     survivor = results[0]
@@ -57,6 +57,8 @@ def test_survivor_names_the_collective_within_the_timeout(tmp_path, how):
     assert re.search(r"(all_gather|reduce_scatter) of unit '(tok_embeddings|layers\.\d|output)' .* on rank 0",
                      error), error
     assert survivor["seconds"] < PG_TIMEOUT_S + 2
+    if how == "hang":  # nothing closed a connection: the process group's timeout ended the wait
+        assert survivor["seconds"] > PG_TIMEOUT_S * 0.8 and "timed out" in error.lower(), error
     if how == "raise":
         assert "injected failure on the last rank" in results[1]["error"]
 
