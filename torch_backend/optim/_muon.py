@@ -79,7 +79,8 @@ class Muon(torch.optim.Optimizer):
         adamw_lr, adamw_betas, adamw_eps: AdamW for parameters that are not 2-D.
 
     Raises:
-        ragged.PlacementError: a DTensor placement other than RaggedShard / Replicate.
+        ragged.PlacementError: a DTensor placement other than RaggedShard / Replicate, or matrices sharded
+            over mesh dims of different sizes.
 
     Example:
         >>> opt = Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-4)
@@ -90,15 +91,20 @@ class Muon(torch.optim.Optimizer):
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps))
-        seen, self._roots = 0, {}
-        matrices = []
+        seen, matrices = 0, []
         for group in self.param_groups:
             for p, name in zip(group["params"], param_names(group, seen)):
                 local_slice(p, name)  # placement check, before any collective
                 if p.ndim == 2:
                     matrices.append(p)
             seen += len(group["params"])
-        world = max((_ragged_world(p) for p in matrices), default=1)
+        worlds = sorted({_ragged_world(p) for p in matrices} - {1})
+        if len(worlds) > 1:
+            raise ragged.PlacementError(
+                f"Muon: 2-D parameters are ragged-sharded over meshes of {worlds} devices; roots are "
+                "balanced over one mesh dim, use one sharding mesh size (or one optimizer per mesh)"
+            )
+        world = worlds[0] if worlds else 1
         roots = ragged.assign_roots([ragged.newton_schulz_cost(tuple(p.shape)) for p in matrices], world)
         self._roots = {id(p): r for p, r in zip(matrices, roots)}
 
