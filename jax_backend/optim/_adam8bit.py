@@ -141,7 +141,11 @@ def _blocks_for(tree: Any, blocks: Mapping[str, Any] | None, tile: Tile) -> Any:
     """A tree of block specs with ``tree``'s structure: ``blocks`` as given, else ``WholeBlocks``."""
     if blocks is None:
         return jax.tree.map(lambda x: WholeBlocks(tuple(x.shape), tile), tree)
-    return jax.tree.map(lambda _, b: b, tree, dict(blocks))
+    if not isinstance(tree, Mapping) or set(tree) != set(blocks):
+        got = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
+        raise ValueError(f"scale_by_adam8bit: blocks are given for the units {sorted(blocks)}, but the "
+                         f"updates are {got}; pass the FSDP step's {{unit: shard}} dict (or blocks=None)")
+    return {k: blocks[k] for k in tree}
 
 
 def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,

@@ -122,6 +122,13 @@ def test_a_layout_that_cuts_tiles_is_rejected_naming_the_tensor():
         shard_blocks([layout], "fsdp")
 
 
+def test_blocks_for_other_units_are_rejected():
+    layout = ragged.plan([ragged.TensorSpec("w", (64, 32), "tiles:32x32")], 2, name="layers.0")
+    opt = adamw8bit(1e-3, blocks=shard_blocks([layout], "fsdp"))
+    with pytest.raises(ValueError, match=r"\['layers\.0'\].*\['layers\.1'\]"):
+        opt.init({"layers.1": jnp.zeros(layout.shard_size)})
+
+
 def test_quantization_error_is_within_half_a_level():
     ids = jnp.repeat(jnp.arange(6), 1024)
     spread = np.repeat(np.logspace(-4, 2, 6), 1024)  # one magnitude per block
