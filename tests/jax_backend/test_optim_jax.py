@@ -90,11 +90,14 @@ def _muon_reference():
 @pytest.mark.parametrize("world", WORLDS)
 def test_adamw8bit_on_shards_gives_the_same_bits_as_on_full_tensors(world):
     params, grads, want = _adam_reference()
-    got, _ = _run_sharded(lambda lays: adamw8bit(1e-2, weight_decay=0.1, blocks=shard_blocks(lays, "fsdp")),
-                          ADAM_SPECS, params, grads, world)
+    got, (step, bufs, g, state) = _run_sharded(
+        lambda lays: adamw8bit(1e-2, weight_decay=0.1, blocks=shard_blocks(lays, "fsdp")),
+        ADAM_SPECS, params, grads, world)
     for n in params:
         np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(want[n]), err_msg=n)
         assert not np.array_equal(np.asarray(got[n]), np.asarray(params[n])), f"{n} did not move"
+    text = step.lower(bufs, g, state).as_text()  # tiles are local: no collective at all
+    assert not any(c in text for c in ("all_gather", "all_reduce", "collective_permute", "all_to_all")), text
 
 
 @pytest.mark.parametrize("world", (3, 4))

@@ -291,19 +291,23 @@ def test_optimizers_on_fully_shard_units_match_single_process(make_opt, world):
 
 
 def checks(rank: int, world: int) -> dict:
-    """gloo worker: one Muon step's collectives as CommDebugMode sees them."""
+    """gloo worker: the collectives of one optimizer step, as CommDebugMode sees them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    def comm_counts() -> None:
+    def placed(specs):
         mesh = init_device_mesh("cpu", (world,))
-        params, grads = _fulls(MUON_SPECS, seed=3, steps=1)
-        layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in MUON_SPECS], world)
-        placed = {n: [RaggedShard.from_core(layout.placement(n))] for n in params}
-        live = {n: torch.nn.Parameter(distribute_tensor(t, mesh, placed[n])) for n, t in params.items()}
+        params, grads = _fulls(specs, seed=3, steps=1)
+        layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in specs], world)
+        where = {n: [RaggedShard.from_core(layout.placement(n))] for n in params}
+        live = {n: torch.nn.Parameter(distribute_tensor(t, mesh, where[n])) for n, t in params.items()}
         for n, p in live.items():
-            p.grad = distribute_tensor(grads[0][n], mesh, placed[n])
+            p.grad = distribute_tensor(grads[0][n], mesh, where[n])
+        return live
+
+    def muon_counts() -> None:
+        live = placed(MUON_SPECS)
         opt = _muon(list(live.items()))
         with CommDebugMode() as comm:
             opt.step()
@@ -315,11 +319,21 @@ def checks(rank: int, world: int) -> dict:
             [ragged.newton_schulz_cost(tuple(p.shape)) for p in live.values() if p.ndim == 2], world))
         assert len(set(roots)) == min(world, matrices)  # spread over the devices
 
-    return run_cases({"comm_counts": comm_counts})
+    def adam8bit_counts() -> None:
+        opt = _adam8bit(list(placed(ADAM_SPECS).items()))
+        with CommDebugMode() as comm:
+            opt.step()
+        assert comm.get_total_counts() == 0, comm.get_comm_counts()  # tiles are local: nothing moves
+
+    return run_cases({"muon_counts": muon_counts, "adam8bit_counts": adam8bit_counts})
 
 
 _launch = Launcher(__file__)
 
 
 def test_distributed_muon_is_one_gather_and_one_scatter_per_matrix():
-    assert_case(_launch(3), "comm_counts")
+    assert_case(_launch(3), "muon_counts")
+
+
+def test_adam8bit_step_communicates_nothing():
+    assert_case(_launch(3), "adam8bit_counts")
