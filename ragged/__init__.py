@@ -11,7 +11,7 @@ from ragged._errors import GranularityError, PlacementError, PlanningError, Ragg
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
 from ragged._model_plan import plan_model
-from ragged._muon_roots import NS_COEFFS, NS_STEPS, assign_roots, newton_schulz_cost
+from ragged._muon_roots import NS_COEFFS, NS_STEPS, assign_roots, muon_scale, newton_schulz_cost
 from ragged._placement import RaggedShard
 from ragged._planner import plan
 from ragged._presets import LLAMA_TINY, LlamaConfig, ModelShapes, UnitShapes, model_names, model_shapes
@@ -63,6 +63,7 @@ __all__ = [
     "baseline_layouts",
     "UnitSpecs",
     "model_units",
+    "muon_scale",
     "parse_shapes",
     "read_shapes_file",
     "SweepRow",

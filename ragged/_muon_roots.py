@@ -20,6 +20,11 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 
 
+def muon_scale(shape: Shape) -> float:
+    """Keller Jordan's shape rule for the orthogonalized update: ``sqrt(max(1, rows / cols))``."""
+    return max(1.0, shape[0] / shape[1]) ** 0.5
+
+
 def newton_schulz_cost(shape: Shape) -> int:
     """Multiply-adds of one Newton-Schulz step on a matrix, up to a constant: ``rows * cols * min``."""
     if len(shape) != 2:

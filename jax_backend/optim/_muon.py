@@ -44,11 +44,6 @@ def newton_schulz(g: jax.Array, steps: int = ragged.NS_STEPS, eps: float = 1e-7)
     return x.T if tall else x
 
 
-def muon_scale(shape: tuple[int, ...]) -> float:
-    """Keller Jordan's shape rule: ``sqrt(max(1, rows / cols))``."""
-    return max(1.0, shape[0] / shape[1]) ** 0.5
-
-
 @dataclass(frozen=True)
 class MuonMatrix:
     """One 2-D tensor of a unit and the device that orthogonalizes it."""
@@ -110,7 +105,7 @@ def _orthogonalize_unit(update: jax.Array, layout: Layout, plan: MuonPlan) -> ja
     rank = lax.axis_index(plan.axis)
     for m in plan.matrices[layout.name]:
         whole = gather_tensor(update, layout, m.name, plan.axis, root=m.root)  # zeros off the root
-        ortho = lax.cond(rank == m.root, newton_schulz, jnp.zeros_like, whole) * muon_scale(m.shape)
+        ortho = lax.cond(rank == m.root, newton_schulz, jnp.zeros_like, whole) * ragged.muon_scale(m.shape)
         out = scatter_tensor(ortho, out, layout, m.name, plan.axis, root=m.root)
     return out
 
@@ -141,7 +136,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, *,
         direction = jax.tree.map(lambda g, b: g + momentum * (b - g), grads, buf) if nesterov else buf
         if plan is None:
             _check_matrices(updates)
-            ortho = jax.tree.map(lambda u: newton_schulz(u) * muon_scale(u.shape), direction)
+            ortho = jax.tree.map(lambda u: newton_schulz(u) * ragged.muon_scale(u.shape), direction)
         else:
             by_unit = {lay.name: lay for lay in plan.layouts}
             ortho = {k: _orthogonalize_unit(u, by_unit[k], plan) for k, u in direction.items()}

@@ -19,7 +19,7 @@ Each step dequantizes, updates ``m`` and ``v`` in fp32, computes the AdamW direc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -154,6 +154,14 @@ def param_names(group: dict[str, Any], index: int) -> list[str]:
     return list(names) if names else [f"param {index + i}" for i in range(len(group["params"]))]
 
 
+def named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, str, dict]]:
+    """``(param, name, group)`` for every parameter of ``optimizer``, in param-group order."""
+    seen = 0
+    for group in optimizer.param_groups:
+        yield from ((p, name, group) for p, name in zip(group["params"], param_names(group, seen)))
+        seen += len(group["params"])
+
+
 # ----- the optimizer shell ------------------------------------------------------------------------------
 class Adam8bit(torch.optim.Optimizer):
     """AdamW with 8-bit blockwise state on 32x32 tiles that never cross devices.
@@ -179,12 +187,9 @@ class Adam8bit(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, tile: Tile = ragged.TILE) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tile=tile))
-        seen = 0
-        for group in self.param_groups:
-            for p, name in zip(group["params"], param_names(group, seen)):
-                _, ranges = local_slice(p, name)
-                ragged.check_tiles_local(tuple(p.shape), ranges, name, group["tile"])
-            seen += len(group["params"])
+        for p, name, group in named_params(self):
+            _, ranges = local_slice(p, name)
+            ragged.check_tiles_local(tuple(p.shape), ranges, name, group["tile"])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -192,12 +197,9 @@ class Adam8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        seen = 0
-        for group in self.param_groups:
-            for p, name in zip(group["params"], param_names(group, seen)):
-                if p.grad is not None:
-                    self._update(p, name, group)
-            seen += len(group["params"])
+        for p, name, group in named_params(self):
+            if p.grad is not None:
+                self._update(p, name, group)
         return loss
 
     def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:

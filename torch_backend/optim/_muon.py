@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import ragged
 from torch_backend._placement import RaggedShard
-from torch_backend.optim._adam8bit import adam_direction, local_slice, param_names
+from torch_backend.optim._adam8bit import adam_direction, local_slice, named_params
 
 
 def newton_schulz(g: torch.Tensor, steps: int = ragged.NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
@@ -43,11 +43,6 @@ def newton_schulz(g: torch.Tensor, steps: int = ragged.NS_STEPS, eps: float = 1e
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     return x.T if tall else x
-
-
-def muon_scale(shape: tuple[int, ...]) -> float:
-    """Keller Jordan's shape rule: ``sqrt(max(1, rows / cols))``."""
-    return max(1.0, shape[0] / shape[1]) ** 0.5
 
 
 def orthogonalize(update: torch.Tensor, p: torch.Tensor, root: int) -> torch.Tensor:
@@ -91,13 +86,11 @@ class Muon(torch.optim.Optimizer):
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps))
-        seen, matrices = 0, []
-        for group in self.param_groups:
-            for p, name in zip(group["params"], param_names(group, seen)):
-                local_slice(p, name)  # placement check, before any collective
-                if p.ndim == 2:
-                    matrices.append(p)
-            seen += len(group["params"])
+        matrices = []
+        for p, name, _ in named_params(self):
+            local_slice(p, name)  # placement check, before any collective
+            if p.ndim == 2:
+                matrices.append(p)
         worlds = sorted({_ragged_world(p) for p in matrices} - {1})
         if len(worlds) > 1:
             raise ragged.PlacementError(
@@ -118,12 +111,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        seen = 0
-        for group in self.param_groups:
-            for p, name in zip(group["params"], param_names(group, seen)):
-                if p.grad is not None:
-                    (self._muon if p.ndim == 2 else self._adamw)(p, name, group)
-            seen += len(group["params"])
+        for p, name, group in named_params(self):
+            if p.grad is not None:
+                (self._muon if p.ndim == 2 else self._adamw)(p, name, group)
         return loss
 
     def _muon(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
@@ -137,7 +127,7 @@ class Muon(torch.optim.Optimizer):
         update = torch.lerp(grad.float(), buf, mu) if group["nesterov"] else buf.clone()
         ortho = orthogonalize(update, p, self.root(p))
         local.mul_(1 - group["lr"] * group["weight_decay"])
-        local.add_(ortho.to(local.dtype), alpha=-group["lr"] * muon_scale(tuple(p.shape)))
+        local.add_(ortho.to(local.dtype), alpha=-group["lr"] * ragged.muon_scale(tuple(p.shape)))
 
     def _adamw(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
         local, _ = local_slice(p, name)
