@@ -63,13 +63,15 @@ def _context():
     return ctx
 
 
-def launch(
-    path: str, fn: str, world: int, *args: object, timeout_s: float = 90.0, pg_timeout_s: float = 20.0
-) -> list[Results]:
+def collect(path: str, fn: str, world: int, *args: object, answers: int | None = None,
+            timeout_s: float = 90.0, pg_timeout_s: float = 20.0) -> dict[int, Results]:
     """Run ``fn(rank, world, *args)`` of the module at ``path`` on ``world`` gloo workers.
 
+    Returns once ``answers`` ranks (default: all) answered or ``timeout_s`` passed without an answer,
+    then kills whatever still runs (a killed or hung rank never answers).
+
     Returns:
-        Each rank's ``{case: None | error}``; a rank that died or did not answer gets a ``<worker>`` entry.
+        ``{rank: result}`` for the ranks that answered.
     """
     ctx = _context()
     out = ctx.Queue()
@@ -82,7 +84,7 @@ def launch(
     try:
         for p in procs:
             p.start()
-        while len(results) < world:
+        while len(results) < (world if answers is None else answers):
             try:
                 rank, res = out.get(timeout=timeout_s)
             except queue_mod.Empty:
@@ -93,6 +95,18 @@ def launch(
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+    return results
+
+
+def launch(
+    path: str, fn: str, world: int, *args: object, timeout_s: float = 90.0, pg_timeout_s: float = 20.0
+) -> list[Results]:
+    """``collect`` from every rank.
+
+    Returns:
+        Each rank's ``{case: None | error}``; a rank that died or did not answer gets a ``<worker>`` entry.
+    """
+    results = collect(path, fn, world, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
     missing = [r for r in range(world) if r not in results]
     return [
         results.get(r, {"<worker>": f"rank {r} did not answer within {timeout_s}s (silent ranks {missing})"})

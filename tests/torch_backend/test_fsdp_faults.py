@@ -6,7 +6,6 @@ group's timeout, and a checkpoint torn by the failure must never replace the las
 
 from __future__ import annotations
 
-import queue
 import re
 from pathlib import Path
 
@@ -23,28 +22,9 @@ WORLD = 2
 
 
 def launch_survivors(fn: str, *args: object, answers: int, timeout_s: float = 60.0) -> dict[int, object]:
-    """Like ``_dist.launch``, but returns once ``answers`` ranks answered (a killed rank never does)."""
-    ctx = _dist._context()
-    out = ctx.Queue()
-    port = _dist._free_port()
-    procs = [ctx.Process(target=_dist._worker, args=(WORKERS, fn, args, r, WORLD, port, PG_TIMEOUT_S, out),
-                         daemon=True) for r in range(WORLD)]
-    results: dict[int, object] = {}
-    try:
-        for p in procs:
-            p.start()
-        while len(results) < answers:
-            try:
-                rank, res = out.get(timeout=timeout_s)
-            except queue.Empty:
-                break
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-    return results
+    """Returns once ``answers`` ranks answered (a killed rank never does)."""
+    return _dist.collect(WORKERS, fn, WORLD, *args, answers=answers, timeout_s=timeout_s,
+                         pg_timeout_s=PG_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("how", ["kill", "raise", "hang"])
