@@ -9,6 +9,7 @@ Parameters are addressed by FQN (``layers.0.attention.wq.weight``), the names th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -158,6 +159,21 @@ def unpack_unit(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
             f"= world_size {layout.world_size} x S {layout.shard_size}"
         )
     return {t.name: buffer[t.offset:t.end].reshape(t.shape) for t in layout.tensors}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def unpack_unit_grad(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+    """``unpack_unit`` for differentiation: its VJP packs the parameters' gradients into one buffer.
+
+    The VJP that JAX derives for the static slices pads every gradient to the buffer's length and adds
+    the pads (one pass over the whole buffer per tensor); packing writes each gradient once, with zeros
+    in the gaps, and gives the same values (the slices are disjoint).
+    """
+    return unpack_unit(buffer, layout)
+
+
+unpack_unit_grad.defvjp(lambda buffer, layout: (unpack_unit(buffer, layout), None),
+                        lambda layout, _, grads: (pack_unit(grads, layout),))
 
 
 def buffer_sharding(mesh: Mesh, axis: str) -> NamedSharding:
