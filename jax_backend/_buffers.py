@@ -151,8 +151,7 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def unpack_unit(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
-    """The unit's tensors as static slices of its unsharded buffer, reshaped: ``{fqn: array}``."""
+def _slices(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
     if buffer.shape != (layout.total_numel,):
         raise LayoutMismatchError(
             f"unit {layout.name!r}: buffer has shape {buffer.shape}, expected ({layout.total_numel},) "
@@ -162,18 +161,21 @@ def unpack_unit(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def unpack_unit_grad(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
-    """``unpack_unit`` for differentiation: its VJP packs the parameters' gradients into one buffer.
+def unpack_unit(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+    """The unit's tensors as static slices of its unsharded buffer, reshaped: ``{fqn: array}``.
 
-    The VJP that JAX derives for the static slices pads every gradient to the buffer's length and adds
-    the pads (one pass over the whole buffer per tensor); packing writes each gradient once, with zeros
-    in the gaps, and gives the same values (the slices are disjoint).
+    Its VJP packs the tensors' gradients into one buffer (``pack_unit``: one concatenate, zeros in the
+    gaps). The VJP JAX derives for the slices gives the same values but pads every gradient to the whole
+    buffer and sums the pads, one pass over the buffer per tensor.
+
+    Raises:
+        LayoutMismatchError: the buffer is not ``(world_size * S,)`` for this Layout.
     """
-    return unpack_unit(buffer, layout)
+    return _slices(buffer, layout)
 
 
-unpack_unit_grad.defvjp(lambda buffer, layout: (unpack_unit(buffer, layout), None),
-                        lambda layout, _, grads: (pack_unit(grads, layout),))
+unpack_unit.defvjp(lambda buffer, layout: (_slices(buffer, layout), None),
+                   lambda layout, _, grads: (pack_unit(grads, layout),))
 
 
 def buffer_sharding(mesh: Mesh, axis: str) -> NamedSharding:

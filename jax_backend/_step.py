@@ -29,13 +29,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_backend._buffers import (
-    LayoutMismatchError,
-    check_mesh,
-    shard_params,
-    unpack_unit_grad,
-    unshard_params,
-)
+from jax_backend._buffers import LayoutMismatchError, check_mesh, shard_params, unpack_unit, unshard_params
 from jax_backend._compat import shard_map
 from ragged import Layout
 
@@ -100,7 +94,7 @@ def run_resharded(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Array
     The backward gathers the unit again, runs the stage's VJP and reduce-scatters: the unsharded buffer
     lives during this stage's forward and its backward only (``reshard_after_forward``).
     """
-    return apply(unpack_unit_grad(_all_gather(shard, comm), layout), h)
+    return apply(unpack_unit(_all_gather(shard, comm), layout), h)
 
 
 def _resharded_fwd(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Array, h: Any) -> tuple:
@@ -114,7 +108,7 @@ def _resharded_bwd(apply: Callable, layout: Layout, comm: _Comm, res: tuple, gra
     # unit unsharded from its forward to its backward. The added value is a (signed) zero, NaN-safe.
     first = jax.tree.leaves(grad)[0].ravel()[0]
     shard = shard + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(shard.dtype)
-    _, vjp = jax.vjp(lambda full, x: apply(unpack_unit_grad(full, layout), x), _all_gather(shard, comm), h)
+    _, vjp = jax.vjp(lambda full, x: apply(unpack_unit(full, layout), x), _all_gather(shard, comm), h)
     full_grad, h_grad = vjp(grad)
     return _reduce_scatter(full_grad, comm), h_grad
 
@@ -216,7 +210,7 @@ class FSDP:
             if self.remat:
                 h = run_resharded(stage.apply, layout, comm, local[layout.name], h)
             else:
-                h = stage.apply(unpack_unit_grad(gather_unit(local[layout.name], comm), layout), h)
+                h = stage.apply(unpack_unit(gather_unit(local[layout.name], comm), layout), h)
         return h
 
     def train_step(self, optimizer: optax.GradientTransformation,
