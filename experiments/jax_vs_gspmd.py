@@ -49,8 +49,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_backend import FSDP, make_mesh, plan_units  # noqa: E402
 from jax_backend.models import Llama, cross_entropy, llama_stages, model_params  # noqa: E402
-from ragged import LLAMA_TINY, LlamaConfig  # noqa: E402
-from ragged._presets import llama as llama_shapes  # noqa: E402
+from ragged import LLAMA_TINY, LlamaConfig, llama_shapes  # noqa: E402
 
 DEVICES = 8
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")

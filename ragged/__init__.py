@@ -14,7 +14,15 @@ from ragged._model_plan import plan_model
 from ragged._muon_roots import NS_COEFFS, NS_STEPS, assign_roots, muon_scale, newton_schulz_cost
 from ragged._placement import RaggedShard
 from ragged._planner import plan
-from ragged._presets import LLAMA_TINY, LlamaConfig, ModelShapes, UnitShapes, model_names, model_shapes
+from ragged._presets import (
+    LLAMA_TINY,
+    LlamaConfig,
+    ModelShapes,
+    UnitShapes,
+    llama_shapes,
+    model_names,
+    model_shapes,
+)
 from ragged._redistribute import (
     Transfer,
     chunk_sizes,
@@ -60,6 +68,7 @@ __all__ = [
     "Layout",
     "LlamaConfig",
     "load_checkpoint",
+    "llama_shapes",
     "model_names",
     "model_shapes",
     "model_units",

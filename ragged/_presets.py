@@ -81,7 +81,8 @@ def _embedding_and_output(vocab: int, h: int, layers: list[UnitShapes]) -> tuple
     )
 
 
-def llama(name: str, c: LlamaConfig) -> ModelShapes:
+def llama_shapes(name: str, c: LlamaConfig) -> ModelShapes:
+    """The units of a LLaMA-3-style model with config ``c`` (any size, e.g. a benchmark's own)."""
     layers = []
     for i in range(c.n_layers):
         p = f"layers.{i}"
@@ -163,7 +164,7 @@ def _ffn(p: str, h: int, inter: int) -> list:
 
 
 _BUILDERS: dict[str, Callable[[], ModelShapes]] = {
-    **{name: (lambda n=name: llama(n, LLAMA_CONFIGS[n])) for name in LLAMA_CONFIGS},
+    **{name: (lambda n=name: llama_shapes(n, LLAMA_CONFIGS[n])) for name in LLAMA_CONFIGS},
     "mixtral-8x7b": mixtral_8x7b,
     "gpt-oss-120b": gpt_oss_120b,
     "deepseek-v3": deepseek_v3,
