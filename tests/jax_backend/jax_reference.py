@@ -8,8 +8,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jax_backend import flatten_params
-from jax_backend.models import Llama, cross_entropy
+from jax_backend import FSDP, flatten_params
+from jax_backend.models import Llama, cross_entropy, model_params
 
 STEPS = 10
 BATCH = 24  # divisible by 1, 2, 3, 4 and 8 devices
@@ -21,10 +21,12 @@ def adamw() -> optax.GradientTransformation:
     return optax.adamw(LR, weight_decay=0.1)
 
 
-def train_reference(model: Llama, batches: np.ndarray, compute_dtype=None) -> tuple[list[float], dict]:
-    """Single-device training; with ``compute_dtype`` the forward runs on a cast copy of fp32 masters."""
+def train_reference(model: Llama, batches: np.ndarray, compute_dtype=None,
+                    opt: optax.GradientTransformation | None = None) -> tuple[list[float], dict]:
+    """Single-device training (AdamW unless ``opt``); with ``compute_dtype`` the forward runs on a cast
+    copy of fp32 masters."""
     graphdef, params = nnx.split(model, nnx.Param)
-    opt = adamw()
+    opt = opt or adamw()
 
     def loss_fn(p, x, y):
         if compute_dtype is not None:
@@ -42,6 +44,20 @@ def train_reference(model: Llama, batches: np.ndarray, compute_dtype=None) -> tu
         params, state, loss = step(params, state, b[:, :-1], b[:, 1:])
         losses.append(float(loss))
     return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}
+
+
+def train_fsdp(fsdp: FSDP, model: Llama, batches: np.ndarray,
+               opt: optax.GradientTransformation | None = None) -> tuple[list[float], dict]:
+    """``fsdp.train_step`` from the model's parameters (AdamW unless ``opt``): losses and full params."""
+    opt = opt or adamw()
+    buffers = fsdp.shard(model_params(model))
+    state = fsdp.init(opt, buffers)
+    step = fsdp.train_step(opt, cross_entropy)
+    losses = []
+    for b in batches:
+        buffers, state, loss = step(buffers, state, b[:, :-1], b[:, 1:])
+        losses.append(float(loss))
+    return losses, {k: np.asarray(v) for k, v in fsdp.unshard(buffers).items()}
 
 
 def rel_err(a, b) -> float:

@@ -7,28 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax_reference import adamw, assert_params_close, rel_err, train_reference
+from jax_reference import assert_params_close, rel_err, train_fsdp, train_reference
 
 from jax_backend import FSDP, LayoutMismatchError, MixedPrecision, make_mesh, plan_units, unpack_unit
 from jax_backend.models import cross_entropy, llama_stages, model_params, parallelize
 
 
-def train(fsdp: FSDP, model, batches: np.ndarray) -> tuple[list[float], dict]:
-    opt = adamw()
-    buffers = fsdp.shard(model_params(model))
-    state = fsdp.init(opt, buffers)
-    step = fsdp.train_step(opt, cross_entropy)
-    losses = []
-    for b in batches:
-        buffers, state, loss = step(buffers, state, b[:, :-1], b[:, 1:])
-        losses.append(float(loss))
-    return losses, {k: np.asarray(v) for k, v in fsdp.unshard(buffers).items()}
-
-
 # remat alternates so that both ways of keeping units unsharded are trained at several sizes.
 @pytest.mark.parametrize("n, remat", [(1, False), (2, True), (3, False), (4, True), (8, False)])
 def test_fsdp_matches_single_device(model, batches, reference, n, remat):
-    losses, params = train(parallelize(model, make_mesh((n,), ("fsdp",)), remat=remat), model, batches)
+    losses, params = train_fsdp(parallelize(model, make_mesh((n,), ("fsdp",)), remat=remat), model, batches)
     ref_losses, ref_params = reference
     assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
     assert_params_close(params, ref_params, 1e-5)
@@ -38,7 +26,7 @@ def test_hsdp_2x2_matches_single_device(model, batches, reference):
     mesh = make_mesh((2, 2), ("replica", "fsdp"))
     fsdp = parallelize(model, mesh, axis="fsdp", replica_axis="replica", remat=True)
     assert [lay.world_size for lay in fsdp.layouts] == [2] * len(fsdp.layouts)
-    losses, params = train(fsdp, model, batches)
+    losses, params = train_fsdp(fsdp, model, batches)
     ref_losses, ref_params = reference
     assert rel_err(losses, ref_losses) <= 1e-5
     assert_params_close(params, ref_params, 1e-5)
@@ -47,7 +35,7 @@ def test_hsdp_2x2_matches_single_device(model, batches, reference):
 def test_bf16_compute_matches_bf16_reference(model, batches):
     """bf16 gathers and compute, fp32 reduce and masters: within bf16 tolerance of the unsharded recipe."""
     fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), mp=MixedPrecision(jnp.bfloat16, jnp.float32))
-    losses, params = train(fsdp, model, batches[:4])
+    losses, params = train_fsdp(fsdp, model, batches[:4])
     ref_losses, ref_params = train_reference(model, batches[:4], compute_dtype=jnp.bfloat16)
     assert rel_err(losses, ref_losses) <= 1e-2, (losses, ref_losses)
     assert_params_close(params, ref_params, 1e-2)

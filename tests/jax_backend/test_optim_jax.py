@@ -16,11 +16,11 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from jax_reference import rel_err
+from jax_reference import rel_err, train_fsdp, train_reference
 
 import ragged
 from jax_backend import make_mesh, shard_map, shard_params, unshard_params
-from jax_backend.models import cross_entropy, model_params, parallelize
+from jax_backend.models import parallelize
 from jax_backend.optim import adamw8bit, muon, muon_plan, newton_schulz, shard_blocks
 from jax_backend.optim._adam8bit import dequantize, quantize
 
@@ -243,22 +243,6 @@ def _tiny():
     return Llama(rngs=nnx.Rngs(0)), np.stack([batch] * 4)  # one batch again and again: the loss must fall
 
 
-def _reference(model, batches, opt):
-    graphdef, params = nnx.split(model, nnx.Param)
-
-    @jax.jit
-    def step(p, s, x, y):
-        loss, grads = jax.value_and_grad(lambda p: cross_entropy(nnx.merge(graphdef, p)(x), y))(p)
-        updates, s = opt.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    state, losses = opt.init(params), []
-    for b in batches:
-        params, state, loss = step(params, state, b[:, :-1], b[:, 1:])
-        losses.append(float(loss))
-    return losses
-
-
 @pytest.mark.parametrize("name", ["adamw8bit", "muon"])
 def test_fsdp_train_step_with_structure_aware_optimizers_matches_single_device(name):
     model, batches = _tiny()
@@ -268,11 +252,7 @@ def test_fsdp_train_step_with_structure_aware_optimizers_matches_single_device(n
         sharded, full = adamw8bit(3e-3, weight_decay=0.1, blocks=blocks), adamw8bit(3e-3, weight_decay=0.1)
     else:
         sharded, full = _muon(muon_plan(fsdp.layouts, fsdp.axis)), _muon()
-    buffers = fsdp.shard(model_params(model))
-    state, step, losses = fsdp.init(sharded, buffers), fsdp.train_step(sharded, cross_entropy), []
-    for b in batches:
-        buffers, state, loss = step(buffers, state, b[:, :-1], b[:, 1:])
-        losses.append(float(loss))
-    ref = _reference(model, batches, full)
+    losses, _ = train_fsdp(fsdp, model, batches, sharded)
+    ref, _ = train_reference(model, batches, opt=full)
     assert losses[-1] < losses[0] - 0.05, losses  # it trains
     assert rel_err(losses, ref) <= 1e-4, (losses, ref)
