@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,7 +65,7 @@ def torch_reference(steps: int, init: Path, out: Path) -> list[float]:
     return losses
 
 
-def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: str, port: int) -> None:
+def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -73,8 +74,9 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
     from torch_backend.models import Llama, cross_entropy, parallelize
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A file rendezvous: no free-port race with other jobs on the machine.
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
+                            world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
     model = parallelize(Llama(), mesh)
     load_neutral_checkpoint(init, model)  # full tensors in, each rank keeps its ragged shards
@@ -96,14 +98,9 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
 
 
 def torch_fsdp(world_size: int, steps: int, init: Path, workdir: Path) -> list[float]:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_torch_worker, args=(world_size, steps, str(init), str(workdir), port),
+    mp.start_processes(_torch_worker, args=(world_size, steps, str(init), str(workdir)),
                        nprocs=world_size, start_method="spawn")
     return json.loads((workdir / "torch_losses.json").read_text())
 
@@ -152,6 +149,44 @@ def max_relative_difference(a: Path, b: Path) -> float:
     return worst
 
 
+class DemoResult(NamedTuple):
+    """Per-step losses of the three runs, and each sharded run's final-parameter distance from the
+    1-process reference (largest per-tensor ``||a - b|| / ||b||``)."""
+
+    reference: list[float]
+    torch: list[float]
+    jax: list[float]
+    torch_params: float
+    jax_params: float
+
+
+def run(world_size: int, steps: int) -> DemoResult:
+    """Train the three ways from one initial checkpoint, in a temporary directory."""
+    import torch
+
+    from torch_backend import save_neutral_checkpoint
+    from torch_backend.models import Llama
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        init = workdir / "init"
+        model = Llama()
+        model.init_weights(SEED)
+        save_neutral_checkpoint(init, model)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            reference = torch_reference(steps, init, workdir / "reference_final")
+        finally:
+            torch.set_num_threads(threads)
+        torch_losses = torch_fsdp(world_size, steps, init, workdir)
+        jax_losses = jax_fsdp(world_size, steps, init, workdir)
+        ref = workdir / "reference_final"
+        return DemoResult(reference, torch_losses, jax_losses,
+                          max_relative_difference(ref, workdir / "torch_final"),
+                          max_relative_difference(ref, workdir / "jax_final"))
+
+
 def print_plan(world_size: int) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -182,37 +217,21 @@ def main(argv: list[str] | None = None) -> None:
     if not 1 <= args.world_size <= BATCH or BATCH % args.world_size:
         parser.error(f"--world-size {args.world_size} must divide the batch of {BATCH}")
 
-    import torch
     from rich.console import Console
     from rich.table import Table
 
-    from torch_backend import save_neutral_checkpoint
-    from torch_backend.models import Llama
-
     print_plan(args.world_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        init = workdir / "init"
-        model = Llama()
-        model.init_weights(SEED)
-        save_neutral_checkpoint(init, model)
-        torch.set_num_threads(1)
-        reference = torch_reference(args.steps, init, workdir / "reference_final")
-        torch_losses = torch_fsdp(args.world_size, args.steps, init, workdir)
-        jax_losses = jax_fsdp(args.world_size, args.steps, init, workdir)
-        table = Table(title=f"llama-tiny, AdamW, {args.world_size} devices: loss per step")
-        for col in ("step", "torch, 1 process", f"torch fully_shard, {args.world_size} gloo processes",
-                    f"JAX shard_map, {args.world_size} host devices"):
-            table.add_column(col, justify="right")
-        for step, row in enumerate(zip(reference, torch_losses, jax_losses)):
-            table.add_row(str(step), *(f"{v:.6f}" for v in row))
-        console = Console()
-        console.print(table)
-        ref = workdir / "reference_final"
-        console.print(f"final parameters, largest relative difference from the 1-process reference: "
-                      f"torch fully_shard {max_relative_difference(ref, workdir / 'torch_final'):.1e}, "
-                      f"JAX {max_relative_difference(ref, workdir / 'jax_final'):.1e}")
-
+    result = run(args.world_size, args.steps)
+    table = Table(title=f"llama-tiny, AdamW, {args.world_size} devices: loss per step")
+    for col in ("step", "torch, 1 process", f"torch fully_shard, {args.world_size} gloo processes",
+                f"JAX shard_map, {args.world_size} host devices"):
+        table.add_column(col, justify="right")
+    for step, row in enumerate(zip(result.reference, result.torch, result.jax)):
+        table.add_row(str(step), *(f"{v:.6f}" for v in row))
+    console = Console()
+    console.print(table)
+    console.print(f"final parameters, largest relative difference from the 1-process reference: "
+                  f"torch fully_shard {result.torch_params:.1e}, JAX {result.jax_params:.1e}")
 
 if __name__ == "__main__":
     main()
