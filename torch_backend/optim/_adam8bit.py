@@ -19,14 +19,13 @@ Each step dequantizes, updates ``m`` and ``v`` in fp32, computes the AdamW direc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
 import ragged
-from torch_backend._placement import RaggedShard
+from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
 
 Tile = tuple[int, int]
 _M_LEVELS, _V_LEVELS = 127.0, 255.0
@@ -122,48 +121,8 @@ def adam8bit_direction(grad_blocks: torch.Tensor, state: Adam8bitState, step: in
     return direction, Adam8bitState(*quantize_signed(m), *quantize_sqrt(v))
 
 
-# ----- where a parameter's local slice sits ------------------------------------------------------------
-def local_slice(p: torch.Tensor, name: str) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """A parameter's local flat tensor and every device's flat range of it.
-
-    Plain tensors and replicated DTensors are whole on this device; a RaggedShard DTensor holds its
-    ``RaggedShard`` range on the ragged mesh dim (the other mesh dims must be Replicate, as under HSDP).
-
-    Raises:
-        ragged.PlacementError: a DTensor placement other than RaggedShard / Replicate (naming ``name``).
-    """
-    if not isinstance(p, DTensor):
-        return p.detach().view(-1), [(0, p.numel())]
-    placements = p.placements
-    bad = [q for q in placements if not isinstance(q, (RaggedShard, Replicate))]
-    if bad:
-        raise ragged.PlacementError(
-            f"{name}: placements {tuple(placements)} are not supported by this optimizer; it needs "
-            "RaggedShard on one mesh dim (Replicate elsewhere) so that blocks stay whole on one device"
-        )
-    local = p.to_local().detach().view(-1)
-    dims = [i for i, q in enumerate(placements) if isinstance(q, RaggedShard)]
-    if not dims:
-        return local, [(0, p.numel())]
-    return local, list(placements[dims[0]].core.ranges(tuple(p.shape), name))
-
-
-def param_names(group: dict[str, Any], index: int) -> list[str]:
-    """The names of a param group's parameters (``named_parameters`` input), else ``param {i}``."""
-    names = group.get("param_names")
-    return list(names) if names else [f"param {index + i}" for i in range(len(group["params"]))]
-
-
-def named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, str, dict]]:
-    """``(param, name, group)`` for every parameter of ``optimizer``, in param-group order."""
-    seen = 0
-    for group in optimizer.param_groups:
-        yield from ((p, name, group) for p, name in zip(group["params"], param_names(group, seen)))
-        seen += len(group["params"])
-
-
 # ----- the optimizer shell ------------------------------------------------------------------------------
-class Adam8bit(torch.optim.Optimizer):
+class Adam8bit(ParamwiseOptimizer):
     """AdamW with 8-bit blockwise state on 32x32 tiles that never cross devices.
 
     Works on plain tensors and on RaggedShard DTensors (``fully_shard`` with granularity
@@ -190,17 +149,6 @@ class Adam8bit(torch.optim.Optimizer):
         for p, name, group in named_params(self):
             _, ranges = local_slice(p, name)
             ragged.check_tiles_local(tuple(p.shape), ranges, name, group["tile"])
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for p, name, group in named_params(self):
-            if p.grad is not None:
-                self._update(p, name, group)
-        return loss
 
     def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
         shape, tile = tuple(p.shape), group["tile"]

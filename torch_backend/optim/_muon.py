@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 import ragged
 from torch_backend._placement import RaggedShard
-from torch_backend.optim._adam8bit import adam_direction, local_slice, named_params
+from torch_backend.optim._adam8bit import adam_direction
+from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
 
 
 def newton_schulz(g: torch.Tensor, steps: int = ragged.NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
@@ -64,7 +65,7 @@ def orthogonalize(update: torch.Tensor, p: torch.Tensor, root: int) -> torch.Ten
     return back.redistribute(mesh, placements).to_local()
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(ParamwiseOptimizer):
     """Muon for 2-D parameters (distributed as in veScale-FSDP Algorithm 2), AdamW for the rest.
 
     Args:
@@ -105,16 +106,8 @@ class Muon(torch.optim.Optimizer):
         """The device that orthogonalizes 2-D parameter ``p``."""
         return self._roots[id(p)]
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for p, name, group in named_params(self):
-            if p.grad is not None:
-                (self._muon if p.ndim == 2 else self._adamw)(p, name, group)
-        return loss
+    def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
+        (self._muon if p.ndim == 2 else self._adamw)(p, name, group)
 
     def _muon(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
         local, _ = local_slice(p, name)
