@@ -46,9 +46,9 @@ def train_reference(model: Llama, batches: np.ndarray, compute_dtype=None,
     return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}
 
 
-def train_fsdp(fsdp: FSDP, model: Llama, batches: np.ndarray,
-               opt: optax.GradientTransformation | None = None) -> tuple[list[float], dict]:
-    """``fsdp.train_step`` from the model's parameters (AdamW unless ``opt``): losses and full params."""
+def run_fsdp(fsdp: FSDP, model: Llama, batches: np.ndarray,
+             opt: optax.GradientTransformation | None = None) -> tuple[list[float], dict]:
+    """``fsdp.train_step`` from the model's parameters (AdamW unless ``opt``): losses and unit buffers."""
     opt = opt or adamw()
     buffers = fsdp.shard(model_params(model))
     state = fsdp.init(opt, buffers)
@@ -57,6 +57,13 @@ def train_fsdp(fsdp: FSDP, model: Llama, batches: np.ndarray,
     for b in batches:
         buffers, state, loss = step(buffers, state, b[:, :-1], b[:, 1:])
         losses.append(float(loss))
+    return losses, buffers
+
+
+def train_fsdp(fsdp: FSDP, model: Llama, batches: np.ndarray,
+               opt: optax.GradientTransformation | None = None) -> tuple[list[float], dict]:
+    """``run_fsdp`` with the final parameters unsharded: losses and ``{fqn: np.ndarray}``."""
+    losses, buffers = run_fsdp(fsdp, model, batches, opt)
     return losses, {k: np.asarray(v) for k, v in fsdp.unshard(buffers).items()}
 
 

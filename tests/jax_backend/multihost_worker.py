@@ -28,10 +28,10 @@ def main() -> None:
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
                                initialization_timeout=60)
     from flax import nnx
-    from jax_reference import BATCH, SEQ, STEPS, adamw
+    from jax_reference import BATCH, SEQ, STEPS, run_fsdp
 
     from jax_backend import make_mesh, save_checkpoint
-    from jax_backend.models import Llama, cross_entropy, model_params, parallelize
+    from jax_backend.models import Llama, parallelize
 
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     import numpy as np
@@ -39,14 +39,7 @@ def main() -> None:
     batches = np.random.default_rng(0).integers(0, 256, size=(STEPS, BATCH, SEQ + 1)).astype(np.int32)
     model = Llama(rngs=nnx.Rngs(0))
     fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), remat=True)
-    opt = adamw()
-    buffers = fsdp.shard(model_params(model))
-    state = fsdp.init(opt, buffers)
-    step = fsdp.train_step(opt, cross_entropy)
-    losses = []
-    for b in batches:
-        buffers, state, loss = step(buffers, state, b[:, :-1], b[:, 1:])
-        losses.append(float(loss))
+    losses, buffers = run_fsdp(fsdp, model, batches)  # shards span both processes: saved, not unsharded
     save_checkpoint(os.path.join(out, "ckpt"), buffers, fsdp.layouts)
     if pid == 0:
         with open(os.path.join(out, "losses.json"), "w") as f:
