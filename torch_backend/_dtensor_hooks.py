@@ -28,13 +28,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import types
 import warnings
 from collections.abc import Sequence
 
 import torch
-import torch.distributed.tensor as dtensor_pkg
 import torch.distributed.tensor._api as dt_api
-import torch.distributed.tensor._dispatch as dt_dispatch
 import torch.distributed.tensor._redistribute as dt_redistribute
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -44,12 +43,14 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropagator
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from torch_backend import _dcp, _ops
 from torch_backend import _redistribute as rd
 from torch_backend._placement import RaggedShard
 
 _SUPPORTED = ((2, 11), (2, 13))
+aten = torch.ops.aten
 _ORIGINAL: dict[str, object] = {}
 
 
@@ -62,16 +63,15 @@ def register() -> None:
     if _ORIGINAL:
         return
     _check_torch()
-    _ORIGINAL["redistribute_local_tensor"] = dt_redistribute.redistribute_local_tensor
-    dt_redistribute.redistribute_local_tensor = _redistribute_local_tensor
-    dt_dispatch.redistribute_local_tensor = _redistribute_local_tensor
+    for owner, name, hook in _REBOUND:
+        _ORIGINAL[name] = _rebind(getattr(owner, name), hook)
 
-    _ORIGINAL["distribute_tensor"] = dt_api.distribute_tensor
-    dt_api.distribute_tensor = _distribute_tensor
-    dtensor_pkg.distribute_tensor = _distribute_tensor
-
+    # A C++ builtin on torch 2.13, read only by _api's own functions: the module attribute is the hook.
     _ORIGINAL["compute_global_tensor_info"] = dt_api.compute_global_tensor_info
     dt_api.compute_global_tensor_info = _compute_global_tensor_info
+
+    _ORIGINAL["from_local"] = DTensor.from_local
+    DTensor.from_local = staticmethod(_from_local)
 
     _ORIGINAL["to_local_backward"] = dt_api._ToTorchTensor.backward
     dt_api._ToTorchTensor.backward = staticmethod(_to_local_backward)
@@ -83,9 +83,17 @@ def register() -> None:
     propagator.propagate_op_sharding = LocalLRUCache(propagator.propagate_op_sharding_non_cached)
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _ops.REDUCTIONS_WITH_DIM:
-        _ORIGINAL[f"handler:{op}"] = handlers.get(op)
-        handlers[op] = _reduction_handler
+    for ops, handler in (
+        (_ops.REDUCTIONS_WITH_DIM, _reduction_handler),
+        (_ops.FOREACH_REDUCTIONS, _foreach_reduction_handler),
+        (_ops.RANDOM_FILLS, _random_fill_handler),
+        ((aten.copy_.default,), _copy_handler),
+        ((aten._local_scalar_dense.default,), _item_handler),
+        ((aten.select.int,), _select_handler),
+    ):
+        for op in ops:
+            _ORIGINAL[f"handler:{op}"] = handlers.get(op)
+            handlers[op] = handler
 
     for attr, hook in (
         ("__create_write_items__", _create_write_items),
@@ -94,6 +102,29 @@ def register() -> None:
     ):
         _ORIGINAL[attr] = getattr(DTensor, attr)
         setattr(DTensor, attr, hook)
+
+
+def _trampoline(*args, _ragged_hook, **kwargs):
+    # The code every rebound torch function runs: ``_ragged_hook`` comes from its __kwdefaults__.
+    return _ragged_hook(*args, **kwargs)
+
+
+def _rebind(fn: types.FunctionType, hook) -> types.FunctionType:
+    """Make the function object ``fn`` itself run ``hook``; return an unhooked copy of ``fn``.
+
+    Swapping the code of torch's function object (not the module attribute that names it) reaches
+    every caller, including modules that did ``from torch.distributed.tensor import distribute_tensor``
+    before ``torch_backend`` was imported.
+    """
+    original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    original.__kwdefaults__ = fn.__kwdefaults__
+    original.__dict__.update(fn.__dict__)
+    original.__qualname__, original.__doc__ = fn.__qualname__, fn.__doc__
+    fn.__code__ = _trampoline.__code__
+    fn.__defaults__ = None
+    fn.__kwdefaults__ = {"_ragged_hook": hook}
+    fn.__wrapped__ = original  # inspect.signature still shows torch's signature
+    return original
 
 
 def _check_torch() -> None:
@@ -111,7 +142,6 @@ def _check_torch() -> None:
     missing = [
         name
         for name, owner in (
-            ("redistribute_local_tensor", dt_redistribute),
             ("compute_global_tensor_info", dt_api),
             ("propagate_op_sharding_non_cached", ShardingPropagator),
             ("_custom_op_handlers", DTensor._op_dispatcher),
@@ -119,6 +149,11 @@ def _check_torch() -> None:
             ("__create_write_items__", DTensor),
         )
         if not hasattr(owner, name)
+    ]
+    missing += [
+        f"{owner.__name__}.{name} (a plain function)"
+        for owner, name, _ in _REBOUND
+        if not isinstance(getattr(owner, name, None), types.FunctionType) or getattr(owner, name).__closure__
     ]
     if missing:
         raise RuntimeError(
@@ -196,6 +231,15 @@ def make_dtensor(
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
+def local_piece(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """This device's flat local slice of a full (global-shaped) tensor, without communication."""
+    m = rd.ragged_mesh_dim(placements)
+    box, offset = box_offset(full.shape, mesh, placements, mesh.get_coordinate())
+    boxed = full[tuple(slice(o, o + n) for o, n in zip(offset, box))]
+    a, b = placements[m].core.ranges(box)[mesh.get_local_rank(m)]
+    return boxed.reshape(-1)[a:b]
+
+
 def _native_redistribute(spec: DTensorSpec):
     def native(x: torch.Tensor, src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> torch.Tensor:
         return _ORIGINAL["redistribute_local_tensor"](
@@ -269,7 +313,59 @@ def _compute_global_tensor_info(tensor, mesh, placements):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 4. torch.distributed.tensor._api._ToTorchTensor.backward (to_local's backward)
+# 4. torch.distributed.tensor._api._dtensor_init_helper (torch.distributed.tensor.zeros/ones/full/
+#    empty/rand/randn)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _dtensor_init_helper(init_op, size, device_mesh=None, placements=None, **kwargs):
+    if placements is None or not has_ragged(placements):
+        return _ORIGINAL["_dtensor_init_helper"](init_op, size, device_mesh, placements, **kwargs)
+    mesh = device_mesh or dt_api._mesh_resources.get_current_mesh()
+    placements, shape = tuple(placements), tuple(size)
+    own, every = boxes(shape, mesh, placements)
+    rd.validate(placements, mesh, shape, every)
+    if kwargs.pop("layout", torch.strided) != torch.strided:
+        raise NotImplementedError("RaggedShard: only the strided layout")
+    requires_grad = kwargs.pop("requires_grad", False)
+    kwargs["device"] = mesh.device_type
+    if init_op in (torch.rand, torch.randn):
+        # The full tensor from the default generator, then this device's slice: the values and the
+        # generator's state equal the single-process call with the same seed, at every world size.
+        local = local_piece(init_op(shape, **kwargs), mesh, placements).clone()
+    else:
+        m = rd.ragged_mesh_dim(placements)
+        numel = placements[m].core.local_numel(own, mesh.get_local_rank(m))
+        fill = (kwargs.pop("fill_value", 0),) if init_op is torch.full else ()
+        local = init_op((numel,), *fill, **kwargs)
+    return make_dtensor(local.requires_grad_(requires_grad), mesh, placements, shape, requires_grad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. DTensor.from_local: a RaggedShard local of the wrong size raises on every rank
+# ---------------------------------------------------------------------------------------------------
+
+_UNSET = object()
+
+
+def _from_local(local_tensor, device_mesh=None, placements=None, *, run_check=_UNSET, shape=None,
+                stride=None, **kwargs):
+    # Unless run_check=False is passed explicitly (the runtime's hot paths), a RaggedShard local is
+    # checked against the layout with one all_gather of the local sizes that every rank enters.
+    if placements is not None and has_ragged(placements) and shape is not None and run_check is not False:
+        mesh = device_mesh or dt_api._mesh_resources.get_current_mesh()
+        placements = tuple(placements)
+        own, every = boxes(tuple(shape), mesh, placements)
+        rd.validate(placements, mesh, tuple(shape), every)
+        rd.check_local_numel(local_tensor, mesh, placements, tuple(shape), own)
+    return _ORIGINAL["from_local"](
+        local_tensor, device_mesh, placements, run_check=run_check is True, shape=shape, stride=stride,
+        **kwargs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. torch.distributed.tensor._api._ToTorchTensor.backward (to_local's backward)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -278,12 +374,14 @@ def _to_local_backward(ctx, grad_output):
     if grad_output is None or not has_ragged(spec.placements):
         return _ORIGINAL["to_local_backward"](ctx, grad_output)
     placements = ctx.grad_placements or spec.placements
-    grad = DTensor.from_local(grad_output, spec.mesh, placements, shape=spec.shape, stride=spec.stride)
+    grad = DTensor.from_local(
+        grad_output, spec.mesh, placements, run_check=False, shape=spec.shape, stride=spec.stride
+    )
     return grad, None
 
 
 # ---------------------------------------------------------------------------------------------------
-# 5. ShardingPropagator.propagate_op_sharding_non_cached
+# 7. ShardingPropagator.propagate_op_sharding_non_cached
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -292,8 +390,15 @@ def _propagate_op_sharding_non_cached(self, op_schema: OpSchema) -> OutputShardi
     specs = [x for x in leaves if isinstance(x, DTensorSpec)]
     if not any(has_ragged(s.placements) for s in specs):
         return _ORIGINAL["propagate"](self, op_schema)
-    out_meta = self._propagate_tensor_meta_non_cached(op_schema)
     op = op_schema.op
+    try:
+        out_meta = self._propagate_tensor_meta_non_cached(op_schema)
+    except Exception as e:  # torch's fake-tensor errors: nonzero, masks, allclose, .item()
+        ragged_spec = next(s for s in specs if has_ragged(s.placements))
+        raise _ops.UnsupportedRaggedOp(
+            f"{op}: its output shape or value depends on the data, which no rank holds whole under "
+            f"{ragged_spec.placements} (shape {tuple(ragged_spec.shape)}). Call dt.full_tensor() first."
+        ) from e
 
     def operand(x):
         return _ops.Operand(tuple(x.shape), tuple(x.placements)) if isinstance(x, DTensorSpec) else x
@@ -356,15 +461,14 @@ def _torch_placement(p):
 
 
 # ---------------------------------------------------------------------------------------------------
-# 6. OpDispatcher._custom_op_handlers for reductions with dims
+# 8. OpDispatcher._custom_op_handlers: reductions, foreach reductions, random fills, copy_
 # ---------------------------------------------------------------------------------------------------
 
 
 def _reduction_handler(op, args, kwargs):
     x = args[0]
     if not (isinstance(x, DTensor) and has_ragged(x.placements)):
-        original = _ORIGINAL.get(f"handler:{op}")
-        return original(op, args, kwargs) if original else _default_dispatch(op, args, kwargs)
+        return _fallback(op, args, kwargs)
     rank = x.device_mesh.get_local_rank(rd.ragged_mesh_dim(x.placements))
     local, placements, shape = _ops.reduce(
         op,
@@ -378,22 +482,102 @@ def _reduction_handler(op, args, kwargs):
     return make_dtensor(local, x.device_mesh, tuple(_torch_placement(p) for p in placements), shape)
 
 
+def _foreach_reduction_handler(op, args, kwargs):
+    xs = args[0]
+    if not any(isinstance(x, DTensor) and has_ragged(x.placements) for x in xs):
+        return _fallback(op, args, kwargs)
+    out = []
+    for x in xs:
+        operand = _ops.Operand(tuple(x.shape), tuple(x.placements))
+        local, placements = _ops.foreach_reduce(op, x._local_tensor, operand, args, kwargs)
+        out.append(make_dtensor(local, x.device_mesh, tuple(_torch_placement(p) for p in placements), ()))
+    return out
+
+
+def _random_fill_handler(op, args, kwargs):
+    x = args[0]
+    if not (isinstance(x, DTensor) and has_ragged(x.placements)):
+        return _fallback(op, args, kwargs)
+    if any(isinstance(p, Partial) for p in x.placements):
+        raise _ops.UnsupportedRaggedOp(f"{op}: a random fill of a Partial DTensor {x.placements}")
+    # Every rank draws the whole tensor from the same generator and keeps its slice: the values and
+    # the generator's consumption equal the single-process op on the full tensor, with no collective.
+    local = x._local_tensor
+    full = op(torch.empty(x.shape, dtype=local.dtype, device=local.device), *args[1:], **kwargs)
+    piece = local_piece(full, x.device_mesh, x.placements)
+    if _ops.mutates_self(op):
+        local.copy_(piece)
+        return x
+    return make_dtensor(piece.clone(), x.device_mesh, x.placements, tuple(x.shape))
+
+
+def _copy_handler(op, args, kwargs):
+    dst, src = args[0], args[1]
+    if not (
+        isinstance(dst, DTensor)
+        and has_ragged(dst.placements)
+        and not isinstance(src, DTensor)
+        and isinstance(src, torch.Tensor)
+        and src.dim() > 0
+    ):
+        return _fallback(op, args, kwargs)
+    if any(isinstance(p, Partial) for p in dst.placements):
+        raise _ops.UnsupportedRaggedOp(f"{op}: copy of a full tensor into a Partial DTensor {dst.placements}")
+    # A plain tensor is read as the full value (every rank passes the same one, as in single-process
+    # code): each rank copies its own slice, broadcasting as copy_ does.
+    full = src.expand(dst.shape)
+    dst._local_tensor.copy_(local_piece(full, dst.device_mesh, dst.placements), *args[2:], **kwargs)
+    return dst
+
+
+def _select_handler(op, args, kwargs):
+    x = args[0]
+    names = dict(zip(("dim", "index"), args[1:])) | kwargs
+    if not (isinstance(x, DTensor) and has_ragged(x.placements) and names["dim"] % max(x.ndim, 1) == 0):
+        return _fallback(op, args, kwargs)
+    mesh, m = x.device_mesh, rd.ragged_mesh_dim(x.placements)
+    start, stop, placements = _ops.select_first(
+        op, tuple(x.shape), tuple(x.placements), mesh.get_local_rank(m), names["index"]
+    )
+    return make_dtensor(x._local_tensor[start:stop], mesh, placements, tuple(x.shape[1:]))
+
+
+def _item_handler(op, args, kwargs):
+    x = args[0]
+    reduced_or_ragged = isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
+    if not (reduced_or_ragged or (isinstance(x, DTensor) and has_ragged(x.placements))):
+        return _fallback(op, args, kwargs)
+    # torch reads .item() of a Partial from the local value (so `if not mask.any()`, as in
+    # nn.init.trunc_normal_, would branch differently per rank) and of a RaggedShard from a local
+    # that may be empty: reduce or gather first (every rank holds the same spec, so all enter).
+    return op(x.full_tensor())
+
+
+def _fallback(op, args, kwargs):
+    original = _ORIGINAL.get(f"handler:{op}")
+    return original(op, args, kwargs) if original else _default_dispatch(op, args, kwargs)
+
+
 def _default_dispatch(op, args, kwargs):
     """torch's dispatch for a non-ragged call of an op we registered a handler for.
 
     The C++ fast path sends every call of a handled op to its handler, so the handler re-runs the
     Python slow path that ``OpDispatcher`` keeps for exactly this (unwrap, propagate, local compute,
-    wrap). Only the non-inplace, non-view reductions in ``_ops.REDUCTIONS_WITH_DIM`` come here.
+    wrap). As in torch's dispatch, an in-place op returns its mutated ``self`` and a view (``select``)
+    gets its aliasing corrected.
     """
     dispatcher = DTensor._op_dispatcher
     op_info = dispatcher.unwrap_to_op_info(op, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
     local = dispatcher._dispatch_get_local_results_slow_path(op, args, op_info)
-    return dispatcher.wrap(local, op_info.output_sharding.output_spec)
+    if _ops.mutates_self(op):
+        return args[0]
+    out = dispatcher.wrap(local, op_info.output_sharding.output_spec)
+    return return_and_correct_aliasing(op, args, kwargs, out) if op._schema._is_view_op() else out
 
 
 # ---------------------------------------------------------------------------------------------------
-# 7. DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__ (checkpoint)
+# 9. DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__ (checkpoint)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -424,5 +608,12 @@ def _get_tensor_shard(self, index):
         return _ORIGINAL["__get_tensor_shard__"](self, index)
     return _dcp.find(self._local_tensor, _ragged_chunks(self), index, index.fqn)
 
+
+# The torch functions whose function objects are rebound (hooks 1, 2 and 4).
+_REBOUND = (
+    (dt_redistribute, "redistribute_local_tensor", _redistribute_local_tensor),
+    (dt_api, "distribute_tensor", _distribute_tensor),
+    (dt_api, "_dtensor_init_helper", _dtensor_init_helper),
+)
 
 register()

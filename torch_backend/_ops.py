@@ -81,13 +81,54 @@ _FUSED_OPTIMIZERS = {
     "aten::_fused_adagrad_",
 }
 
-#: Reductions whose ragged local computation is not the op on the flat local (handled by ``reduce``).
+#: Reductions whose ragged local computation is not the op on the flat local (handled by ``reduce``):
+#: reductions over dims, and reductions whose empty local needs the right identity (max of nothing).
 REDUCTIONS_WITH_DIM = (
     aten.mean.default,
     aten.mean.dim,
     aten.sum.dim_IntList,
     aten.linalg_vector_norm.default,
+    aten.amax.default,
+    aten.amin.default,
+    aten.max.default,
+    aten.min.default,
+    aten.any.default,
+    aten.all.default,
 )
+#: Foreach reductions: one partial scalar per tensor (handled by ``foreach_reduce``).
+FOREACH_REDUCTIONS = (aten._foreach_norm.Scalar, aten._foreach_max.default)
+#: Random fills whose values do not depend on ``self``: run on the full tensor, keep the local slice,
+#: so the values and the generator's consumption equal the single-process op (``random_fill``).
+RANDOM_FILLS = (
+    aten.normal_.default,
+    aten.uniform_.default,
+    aten.bernoulli_.float,
+    aten.exponential_.default,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+    aten.geometric_.default,
+    aten.random_.default,
+    getattr(aten.random_, "from"),  # a Python keyword
+    aten.random_.to,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.randint_like.default,
+    aten.randint_like.low_dtype,
+)
+
+# The partial each full reduction leaves and the value an empty local contributes to it.
+_REDUCE_KINDS = {
+    aten.sum.dim_IntList: "sum",
+    aten.mean.default: "mean",
+    aten.mean.dim: "mean",
+    aten.linalg_vector_norm.default: "norm",
+    aten.amax.default: "max",
+    aten.max.default: "max",
+    aten.amin.default: "min",
+    aten.min.default: "min",
+    aten.any.default: "any",
+    aten.all.default: "all",
+}
 
 
 def _is_ragged(x: Any) -> bool:
@@ -126,9 +167,10 @@ def rule(op, args: Any, kwargs: dict[str, Any], out_shapes: Any) -> Rule:
     ragged_operand = next(x for x in operands if _is_ragged(x))
     if op is aten.sum.default:
         return Rule([_reduced(op, ragged_operand, "sum")])
-    if op is aten._foreach_norm.Scalar:
+    if op in FOREACH_REDUCTIONS:  # their values come from ``foreach_reduce``; this gives the placements
         order = float(args[1]) if len(args) > 1 else 2.0
-        return Rule([_reduced(op, t, PartialNorm(order)) for t in args[0]])
+        kind = Partial("max") if op is aten._foreach_max.default else PartialNorm(order)
+        return Rule([_reduced(op, t, kind) for t in args[0]])
     if name.startswith("aten::_foreach_") or name in _FUSED_OPTIMIZERS:
         return _foreach(op, args, kwargs, out_shapes)
     if torch.Tag.pointwise in op.tags or op in _LIKE_OPS:
@@ -156,14 +198,14 @@ def _reduced(op, x: Operand, kind: Any) -> tuple[Placement, ...]:
     return tuple(out)
 
 
-def _mutates_self(op) -> bool:
+def mutates_self(op) -> bool:
     alias = op._schema.arguments[0].alias_info if op._schema.arguments else None
     return bool(alias is not None and alias.is_write)
 
 
 def _elementwise(op, args, kwargs, ref: Operand, out_shapes) -> Rule:
     leaves = pytree.tree_leaves(args)
-    if _mutates_self(op) and isinstance(leaves[0], Operand) and leaves[0] != ref:
+    if mutates_self(op) and isinstance(leaves[0], Operand) and leaves[0] != ref:
         # Resharding self would mutate a copy and relabel the original: refuse instead.
         raise _error(
             op, leaves[0], f"an in-place op's self must already have the placements {ref.placements}"
@@ -234,13 +276,15 @@ def reduce(
     args: tuple,
     kwargs: dict,
 ) -> tuple[torch.Tensor, tuple[Any, ...], tuple[int, ...]]:
-    """Run a reduction with dims (``REDUCTIONS_WITH_DIM``) on a RaggedShard local tensor.
+    """Run a reduction of ``REDUCTIONS_WITH_DIM`` on a RaggedShard local tensor.
 
     Mechanism: with ``dims = (0..k-1)`` the local is ``nb`` whole blocks, viewed as
     ``(nb, *shape[k:])``. Reducing only dims ``>= k`` runs on that view and keeps the RaggedShard
-    (same dims and units, on the output shape). Reducing every dim gives a scalar Partial. Reducing
-    some dim ``< k`` places the local blocks in a zero tensor of the full shape and reduces it: each
-    device then holds a full-shaped partial result (sum, or a partial norm for ord > 0).
+    (same dims and units, on the output shape). Reducing every dim gives a scalar partial; a device
+    that holds nothing contributes the reduction's identity (0 for sums, -inf for max, +inf for min
+    and for norms of negative order, whose partials combine as ``sum(n_i ** p)``). Reducing some dim
+    ``< k`` places the local blocks in a tensor of the full shape filled with that identity and
+    reduces it: each device then holds a full-shaped partial result.
 
     Args:
         op: one of ``REDUCTIONS_WITH_DIM``.
@@ -255,7 +299,7 @@ def reduce(
         (local result, output placements (``PartialNorm`` for norms), output global shape).
 
     Raises:
-        UnsupportedRaggedOp: for Shard/Partial beside the RaggedShard or a norm order it cannot split.
+        UnsupportedRaggedOp: for Shard/Partial beside the RaggedShard.
     """
     operand = Operand(shape, placements)
     m = next(i for i, p in enumerate(placements) if isinstance(p, RaggedShard))
@@ -269,17 +313,22 @@ def reduce(
     def run(x: torch.Tensor, over: list[int]) -> torch.Tensor:
         if kind == "norm":
             return torch.linalg.vector_norm(x, order, over, keepdim, dtype=dtype)
+        if kind in ("max", "min"):
+            return (torch.amax if kind == "max" else torch.amin)(x, over, keepdim)
+        if kind in ("any", "all"):
+            return (torch.any if kind == "any" else torch.all)(x, tuple(over), keepdim)
         return (torch.mean if kind == "mean" else torch.sum)(x, over, keepdim, dtype=dtype)
 
     def with_placement(p: Any) -> tuple[Any, ...]:
         return tuple(p if i == m else q for i, q in enumerate(placements))
 
-    partial = PartialNorm(order) if kind == "norm" else Partial("sum")
+    partial = {"norm": PartialNorm(order), "max": Partial("max"), "any": Partial("max")}.get(kind)
+    partial = partial or {"min": Partial("min"), "all": Partial("min")}.get(kind, Partial("sum"))
+    fill = _identity(kind, order, local.dtype)
     if len(dims) == len(shape):
         if not local.numel():
-            # The identity of the cross-device reduction: 0 for sums and norms, +inf for the -inf "norm".
-            identity = math.inf if kind == "norm" and order == -math.inf else 0.0
-            total = torch.full((), identity, dtype=dtype or local.dtype, device=local.device)
+            out_dtype = torch.bool if kind in ("any", "all") else dtype or local.dtype
+            total = torch.full((), fill, dtype=out_dtype, device=local.device)
         elif kind == "mean":
             total = local.sum(dtype=dtype) / math.prod(shape)
         else:
@@ -289,10 +338,8 @@ def reduce(
         view = local.view(-1, *shape[k:])
         out = run(view, [d - k + 1 for d in sorted(dims)])
         return out.reshape(-1), with_placement(RaggedShard(core.dims, core.local_units)), out_shape
-    if kind == "norm" and order <= 0:
-        raise _error(op, operand, f"a norm of order {order} across the ragged dims has no partial form")
     start, stop = core.ranges(shape)[rank]
-    full = local.new_zeros(math.prod(shape))
+    full = local.new_full((math.prod(shape),), fill)
     full[start:stop] = local
     full = full.view(shape)
     if kind == "mean":
@@ -302,25 +349,86 @@ def reduce(
     return out.reshape(out_shape), with_placement(partial), out_shape
 
 
+def _identity(kind: str, order: float, dtype: torch.dtype) -> float | bool:
+    """What a device holding nothing contributes to the cross-device reduction of ``kind``."""
+    if kind == "norm":
+        return math.inf if order < 0 else 0.0  # inf ** p == 0 for p < 0; +inf is min's identity
+    if kind in ("max", "min"):
+        if dtype == torch.bool:
+            return kind == "min"
+        if dtype.is_floating_point:
+            return -math.inf if kind == "max" else math.inf
+        info = torch.iinfo(dtype)
+        return info.min if kind == "max" else info.max
+    return kind == "all"
+
+
+def foreach_reduce(op, local: torch.Tensor, operand: Operand, args: tuple, kwargs: dict):
+    """One tensor's part of ``_foreach_norm`` / ``_foreach_max``: (local partial scalar, placements).
+
+    A device that holds nothing of a tensor contributes the identity instead of failing alone
+    (``_foreach_max`` and the inf-norm of an empty tensor raise) while the others wait in a collective.
+    """
+    if op is aten._foreach_max.default:
+        kind, order, placement = "max", math.inf, Partial("max")
+    else:
+        given = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+        kind, order = "norm", float(2 if given is None else given)
+        placement = PartialNorm(order)
+    dtype = kwargs.get("dtype")
+    placements = _reduced(op, operand, placement)
+    if not local.numel():
+        identity = _identity(kind, order, local.dtype)
+        return torch.full((), identity, dtype=dtype or local.dtype, device=local.device), placements
+    if kind == "max":
+        return local.max(), placements
+    return torch.linalg.vector_norm(local, order, dtype=dtype), placements
+
+
 def _parse_reduction(op, args, kwargs, ndim):
     """(kind, norm order, reduced dims, keepdim, dtype) of a call of a REDUCTIONS_WITH_DIM op."""
     dtype = kwargs.get("dtype")
-    order = 2.0
-    if op is aten.mean.default:
-        return "mean", order, set(range(ndim)), False, dtype
-    if op is aten.linalg_vector_norm.default:
-        names = ("ord", "dim", "keepdim")
-        given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-        order = float(given.get("ord", 2))
-        dim, keepdim, kind = given.get("dim"), bool(given.get("keepdim", False)), "norm"
-    else:
-        given = dict(zip(("dim", "keepdim"), args)) | {
-            k: v for k, v in kwargs.items() if k in ("dim", "keepdim")
-        }
-        dim, keepdim = given.get("dim"), bool(given.get("keepdim", False))
-        kind = "mean" if op is aten.mean.dim else "sum"
+    kind, order = _REDUCE_KINDS[op], 2.0
+    if op in (aten.mean.default, aten.max.default, aten.min.default, aten.any.default, aten.all.default):
+        return kind, order, set(range(ndim)), False, dtype
+    names = ("ord", "dim", "keepdim") if kind == "norm" else ("dim", "keepdim")
+    given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    order = float(given.get("ord", 2))
+    dim, keepdim = given.get("dim"), bool(given.get("keepdim", False))
     if dim is None or (isinstance(dim, (list, tuple)) and not dim):
         dims = set(range(ndim))
     else:
         dims = {d % ndim for d in ([dim] if isinstance(dim, int) else dim)}
     return kind, order, dims, keepdim, dtype
+
+
+def select_first(
+    op, shape: tuple[int, ...], placements: tuple[Placement, ...], rank: int, index: int
+) -> tuple[int, int, tuple[Placement, ...]]:
+    """``x[index]`` (``select`` on dim 0) as a view of the flat local: (start, stop, output placements).
+
+    The selected block is one contiguous flat interval, so each device's part of it is a slice of its
+    local tensor; the output is element-granular RaggedShard over those parts (one-hot for a 0-d
+    result). This keeps HuggingFace's ``init.zeros_(weight[padding_idx])`` a local write.
+
+    Raises:
+        UnsupportedRaggedOp: beside a Shard or Partial mesh dim.
+        IndexError: (on every rank) for an index out of range.
+    """
+    operand = Operand(shape, placements)
+    m = next(i for i, p in enumerate(placements) if isinstance(p, RaggedShard))
+    if any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i != m):
+        raise _error(op, operand, "select supports Replicate beside the RaggedShard only")
+    if not -shape[0] <= index < shape[0]:
+        raise IndexError(f"index {index} is out of bounds for dimension 0 with size {shape[0]}")
+    block = math.prod(shape[1:])
+    lo = (index % shape[0]) * block
+    ranges = placements[m].core.ranges(shape)
+    parts = [max(0, min(b, lo + block) - max(a, lo)) for a, b in ranges]
+    out_dims = tuple(range(len(shape) - 1))
+    a, b = ranges[rank]
+    start, stop = min(max(lo - a, 0), b - a), min(max(lo + block - a, 0), b - a)
+    if block == 0:
+        return start, stop, tuple(Replicate() if i == m else p for i, p in enumerate(placements))
+    out = RaggedShard(out_dims, parts) if out_dims else RaggedShard((), [int(n > 0) for n in parts])
+    return start, stop, tuple(out if i == m else p for i, p in enumerate(placements))

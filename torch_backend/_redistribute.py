@@ -371,3 +371,34 @@ def infer_global_numel(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[
             dist.all_reduce(t, group=mesh.get_group(j))
             numel = int(t.item())
     return numel
+
+
+def check_local_numel(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Shape, box: Shape
+) -> None:
+    """Check every rank's RaggedShard local size with one all_gather, so every rank raises the same error.
+
+    Raises:
+        ragged.PlacementError: on every rank of the mesh, if any rank's local numel differs from the
+            one the layout gives it (for ``DTensor.from_local``).
+    """
+    m = ragged_mesh_dim(placements)
+    rank = mesh.get_local_rank(m)
+    mine = torch.tensor(
+        [local.numel(), placements[m].core.local_numel(box, rank)], dtype=torch.int64, device=mesh.device_type
+    )
+    every = mine.new_empty(mesh.size(m) * 2)
+    _all_gather_single(every, mine, group=mesh.get_group(m))
+    pairs = every.view(-1, 2).tolist()
+    wrong = {r: (got, want) for r, (got, want) in enumerate(pairs) if got != want}
+    anywhere = torch.tensor([len(wrong)], dtype=torch.int64, device=mesh.device_type)
+    for j in range(mesh.ndim):
+        if j != m:
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=mesh.get_group(j))
+    if wrong or anywhere.item():
+        where = ", ".join(f"index {r} has {a} elements, its units give {b}" for r, (a, b) in wrong.items())
+        where = where or "a rank on another slice of the mesh has a local of the wrong size"
+        raise ragged.PlacementError(
+            f"from_local: local tensors do not match {placements[m]} of shape {tuple(shape)} on mesh dim {m} "
+            f"({where}); build each rank's local as the flat slice its units give it"
+        )

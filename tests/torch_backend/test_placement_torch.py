@@ -118,8 +118,12 @@ def test_hooks_are_installed_once_on_this_torch() -> None:
     before = (dt_redistribute.redistribute_local_tensor, DTensor.__create_write_items__)
     _dtensor_hooks.register()
     assert (dt_redistribute.redistribute_local_tensor, DTensor.__create_write_items__) == before
-    assert dt_redistribute.redistribute_local_tensor is _dtensor_hooks._redistribute_local_tensor
-    assert torch.distributed.tensor.distribute_tensor is _dtensor_hooks._distribute_tensor
+    # torch's own function objects run the hooks (whoever holds a reference to them).
+    hooked = dt_redistribute.redistribute_local_tensor.__kwdefaults__["_ragged_hook"]
+    assert hooked is _dtensor_hooks._redistribute_local_tensor
+    hooked = torch.distributed.tensor.distribute_tensor.__kwdefaults__["_ragged_hook"]
+    assert hooked is _dtensor_hooks._distribute_tensor
     handlers = DTensor._op_dispatcher._custom_op_handlers
     assert all(handlers[op] is _dtensor_hooks._reduction_handler for op in _ops.REDUCTIONS_WITH_DIM)
+    assert all(handlers[op] is _dtensor_hooks._random_fill_handler for op in _ops.RANDOM_FILLS)
     assert {"RaggedShard", "UnsupportedRaggedOp"} <= set(torch_backend.__all__)
