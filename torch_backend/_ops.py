@@ -3,8 +3,8 @@
 A RaggedShard local tensor is a flat slice of the (box's) row-major storage, so an op keeps the
 placement exactly when running it on the flat locals is the same as running it on the whole tensor
 and slicing: elementwise ops (``torch.Tag.pointwise``, copies and fills, ``_foreach_*``, the fused
-optimizer kernels) whose tensor operands all share the placement and shape (0-d replicated scalars
-are fine). Reductions to a scalar become a Partial. Reductions over dims run on the local's block view
+optimizer kernels) whose tensor operands all share the placement and shape (0-d scalars
+are fine; a partial one, ``x / x.norm()``, is reduced first). Reductions to a scalar become a Partial. Reductions over dims run on the local's block view
 ``(blocks, *shape[k:])``: dims after the ragged prefix stay RaggedShard, dims inside it leave a
 Partial. Everything else raises ``UnsupportedRaggedOp`` naming the op and the placement.
 
@@ -214,6 +214,9 @@ def _elementwise(op, args, kwargs, ref: Operand, out_shapes) -> Rule:
     for i, x in enumerate(leaves):
         if not isinstance(x, Operand) or x == ref or _is_scalar(x):
             continue
+        if x.shape == () and not _is_ragged(x):
+            reshard[i] = (Replicate(),) * len(x.placements)  # a partial scalar (x / x.norm()): reduce it
+            continue
         if (
             x.shape == ref.shape
             and not _is_ragged(x)
@@ -225,7 +228,7 @@ def _elementwise(op, args, kwargs, ref: Operand, out_shapes) -> Rule:
             op,
             x,
             f"elementwise operands must share the RaggedShard operand's shape {ref.shape} "
-            f"and placements {ref.placements} (or be 0-d replicated scalars)",
+            f"and placements {ref.placements} (or be 0-d scalars)",
         )
     for x in pytree.tree_leaves(kwargs):
         if isinstance(x, Operand) and x != ref and not _is_scalar(x):

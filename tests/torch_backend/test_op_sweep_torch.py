@@ -64,6 +64,7 @@ _VALUE_OPS = {
     "to_int": lambda x: x.to(torch.int32),
     "inplace_chain": lambda x: x.clone().mul_(3).add_(1).clamp_(-5, 5),
     "like": lambda x: torch.full_like(x, 3) + torch.zeros_like(x),
+    "by_partial_scalar": lambda x: x / torch.linalg.vector_norm(x) - x.amax(),
     "sum": lambda x: x.sum(),
     "sum_int": lambda x: x.to(torch.int64).sum(),
     "sum_f64": lambda x: x.sum(dtype=torch.float64),

@@ -57,11 +57,12 @@ def orthogonalize(update: torch.Tensor, p: torch.Tensor, root: int) -> torch.Ten
     dim = next(i for i, q in enumerate(placements) if isinstance(q, RaggedShard))
     on_root = list(placements)
     on_root[dim] = RaggedShard.whole_on(root, mesh.size(dim))
-    sharded = DTensor.from_local(update, mesh, placements, shape=p.shape, stride=p.stride())
+    # run_check=False: both locals are cut from the layout here, so skip from_local's size all_gather.
+    sharded = DTensor.from_local(update, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
     whole = sharded.redistribute(mesh, on_root).to_local()  # the full matrix on root, empty elsewhere
     if whole.numel():
         whole = newton_schulz(whole.view(p.shape)).reshape(-1)
-    back = DTensor.from_local(whole, mesh, on_root, shape=p.shape, stride=p.stride())
+    back = DTensor.from_local(whole, mesh, on_root, run_check=False, shape=p.shape, stride=p.stride())
     return back.redistribute(mesh, placements).to_local()
 
 
