@@ -4,9 +4,10 @@ A RaggedShard local tensor is a flat slice of the (box's) row-major storage, so 
 placement exactly when running it on the flat locals is the same as running it on the whole tensor
 and slicing: elementwise ops (``torch.Tag.pointwise``, copies and fills, ``_foreach_*``, the fused
 optimizer kernels) whose tensor operands all share the placement and shape (0-d scalars
-are fine; a partial one, ``x / x.norm()``, is reduced first). Reductions to a scalar become a Partial. Reductions over dims run on the local's block view
-``(blocks, *shape[k:])``: dims after the ragged prefix stay RaggedShard, dims inside it leave a
-Partial. Everything else raises ``UnsupportedRaggedOp`` naming the op and the placement.
+are fine; a partial one, ``x / x.norm()``, is reduced first). Reductions to a scalar become a Partial.
+Reductions over dims run on the local's block view ``(blocks, *shape[k:])``: dims after the ragged
+prefix stay RaggedShard, dims inside it leave a Partial; a device holding nothing contributes the
+reduction's identity. Everything else raises ``UnsupportedRaggedOp`` naming the op and the placement.
 
 The rules are written over ``Operand(shape, placements)``; ``_dtensor_hooks`` turns torch's specs
 into operands and the rules' placements back into torch's output specs.
