@@ -235,6 +235,29 @@ def _module_init(mesh, world: int) -> None:
         _compare(getattr(lin, name), p.detach(), name)
 
 
+def _hf_init_weights(mesh, world: int) -> None:
+    """HuggingFace's own _init_weights (normal_, zeros_ of the padding row, ones_) on a tiny Llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=3, tie_word_embeddings=False,
+    )
+    ref, model = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    for name, p in list(model.named_parameters()):
+        rows = p.shape[0]
+        units = (0, *([1] * (world - 2)), rows - (world - 2))  # device 0 holds nothing
+        owner, attr = name.rpartition(".")[::2]
+        ragged_p = distribute_tensor(p.detach(), mesh, [RaggedShard((0,), units)])
+        setattr(model.get_submodule(owner), attr, nn.Parameter(ragged_p))
+    torch.manual_seed(7)
+    ref.apply(ref._init_weights)
+    torch.manual_seed(7)
+    model.apply(model._init_weights)
+    for (name, want), got in zip(ref.named_parameters(), model.parameters()):
+        _compare(got, want.detach(), name)
+
+
 def _factories(mesh, case: Case, placement: RaggedShard) -> None:
     shape = case.shape
     kw = {"device_mesh": mesh, "placements": [placement]}
@@ -293,6 +316,8 @@ def _all_cases(rank: int, world: int, mesh) -> dict:
         out[f"init:{case.name}"] = lambda c=case, p=placement: _init(mesh, c, p)
         out[f"factories:{case.name}"] = lambda c=case, p=placement: _factories(mesh, c, p)
     out["init:linear_reset_parameters"] = lambda: _module_init(mesh, world)
+    if world == 3:  # importing transformers costs seconds per worker: one world size suffices
+        out["init:hf_llama_init_weights"] = lambda: _hf_init_weights(mesh, world)
     out["from_local:wrong_size"] = lambda: _bad_from_local(mesh, world)
     out["clip_grad_norm_inf:foreach"] = lambda: _clip_inf(mesh, world, True)
     out["clip_grad_norm_inf:loop"] = lambda: _clip_inf(mesh, world, False)
