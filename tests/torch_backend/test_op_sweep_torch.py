@@ -192,14 +192,21 @@ _INITS = {
     "random_": lambda t: t.random_(0, 10),
     "randn_like": torch.randn_like,
     "rand_like_f64": lambda t: torch.rand_like(t, dtype=torch.float64),
+    "dirac_": nn.init.dirac_,  # zero_ then x[i, j, k, l] = 1: chained selects of the flat local
 }
 _FAN_INITS = ("kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+# Recipes that need the whole matrix (QR, views): refused on every rank, by the dims they accept.
+_REFUSED_INITS = {
+    "orthogonal_": (2, nn.init.orthogonal_),
+    "eye_": (2, nn.init.eye_),
+    "sparse_": (2, lambda t: nn.init.sparse_(t, 0.5)),
+}
 
 
 def _init(mesh, case: Case, placement: RaggedShard) -> None:
     failures = []
     for name, init in _INITS.items():
-        if name in _FAN_INITS and len(case.shape) < 2:
+        if (name in _FAN_INITS and len(case.shape) < 2) or (name == "dirac_" and len(case.shape) != 4):
             continue
         torch.manual_seed(1234)
         ref = torch.empty(case.shape)
@@ -215,6 +222,13 @@ def _init(mesh, case: Case, placement: RaggedShard) -> None:
         except Exception as e:
             failures.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
         dist.barrier()
+    for name, (ndim, init) in _REFUSED_INITS.items():
+        if len(case.shape) == ndim:
+            try:
+                _refused(init, distribute_tensor(torch.zeros(case.shape), mesh, [placement]), name)
+            except Exception as e:
+                failures.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+            dist.barrier()
     assert not failures, "\n".join(failures)
 
 
