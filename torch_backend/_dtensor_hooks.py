@@ -7,20 +7,31 @@ and calls the original function unchanged for every other DTensor. ``register()`
 (idempotent); ``torch_backend`` calls it at import.
 
 Hooks (the torch function each wraps):
-  1. ``torch.distributed.tensor._redistribute.redistribute_local_tensor`` (also the name imported into
-     ``torch.distributed.tensor._dispatch``): used by ``DTensor.redistribute``/``full_tensor``, their
-     autograd backward, and the op dispatcher's argument resharding.
-  2. ``torch.distributed.tensor._api.distribute_tensor`` (and ``torch.distributed.tensor.distribute_tensor``).
+  1. ``torch.distributed.tensor._redistribute.redistribute_local_tensor``: used by
+     ``DTensor.redistribute``/``full_tensor``, their autograd backward, and the op dispatcher's
+     argument resharding.
+  2. ``torch.distributed.tensor._api.distribute_tensor``.
   3. ``torch.distributed.tensor._api.compute_global_tensor_info``: global shape for ``from_local``
      without ``shape`` (a RaggedShard infers the flat 1-D global shape).
-  4. ``torch.distributed.tensor._api._ToTorchTensor.backward``: ``to_local``'s backward rebuilds the
+  4. ``torch.distributed.tensor._api._dtensor_init_helper``: ``torch.distributed.tensor.zeros/ones/
+     full/empty/rand/randn`` allocate the flat local slice (rand/randn: the seeded full tensor's slice).
+  5. ``DTensor.from_local``: one all_gather of the local sizes (unless ``run_check=False``), so a local
+     of the wrong size raises on every rank instead of one rank raising and the others hanging.
+  6. ``torch.distributed.tensor._api._ToTorchTensor.backward``: ``to_local``'s backward rebuilds the
      gradient with the forward spec (torch would recompute a stride from the flat local).
-  5. ``ShardingPropagator.propagate_op_sharding_non_cached`` (class, and the LRU cache of the live
-     instance): sharding rules for ops on RaggedShard operands, clear errors for the rest.
-  6. ``OpDispatcher._custom_op_handlers`` for reductions whose local computation differs from the
-     op on the flat local (``mean``, ``sum.dim_IntList``, ``linalg_vector_norm`` with ``dim``).
-  7. ``DTensor.__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``:
+  7. ``ShardingPropagator.propagate_op_sharding_non_cached`` (class, and the LRU cache of the live
+     instance): sharding rules for ops on RaggedShard operands, clear errors for the rest (also for
+     ops whose output depends on the data, which torch's fake-tensor propagation cannot shape).
+  8. ``OpDispatcher._custom_op_handlers`` for ops whose local computation is not the op on the flat
+     local: reductions (``_ops.REDUCTIONS_WITH_DIM``, ``_ops.FOREACH_REDUCTIONS``), random fills
+     (``_ops.RANDOM_FILLS``), ``copy_`` from a plain full tensor, ``select.int`` on dim 0 and
+     ``_local_scalar_dense`` (``.item()``).
+  9. ``DTensor.__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``:
      torch.distributed.checkpoint metadata (see ``_dcp``).
+
+Hooks 1, 2 and 4 rebind the code of torch's function object (``_rebind``) rather than a module
+attribute, so callers that imported the function before ``torch_backend`` (``from
+torch.distributed.tensor import distribute_tensor``, torch's own modules) reach the hook too.
 """
 
 from __future__ import annotations

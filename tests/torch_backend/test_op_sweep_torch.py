@@ -23,7 +23,7 @@ from _dist import Launcher, assert_case, run_cases
 from _ragged_cases import Case, cases, full, ragged_local
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import ragged
 from torch_backend import RaggedShard, UnsupportedRaggedOp
@@ -272,6 +272,37 @@ def _hf_init_weights(mesh, world: int) -> None:
         _compare(got, want.detach(), name)
 
 
+def _init_2d(world: int) -> None:
+    """Random fills, copy_ and rand on a 2x2 mesh: RaggedShard inside a Shard / Replicate box."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    for placements in (
+        (Shard(0), RaggedShard((0,), (1, 3))),
+        (RaggedShard((0, 1), (0, 24)), Shard(1)),
+        (Replicate(), RaggedShard((0,), (3, 5))),
+    ):
+        for name, init in (("normal_", nn.init.normal_), ("copy_full", _INITS["copy_full"])):
+            torch.manual_seed(3)
+            ref = init(torch.empty(8, 6))
+            x = distribute_tensor(torch.zeros(8, 6), mesh, placements)
+            torch.manual_seed(3)
+            _compare(init(x), ref, f"{name} {placements}")
+        torch.manual_seed(4)
+        got = dtensor.rand(8, 6, device_mesh=mesh, placements=placements)
+        torch.manual_seed(4)
+        _compare(got, torch.rand(8, 6), f"rand {placements}")
+
+
+def _item_of_other_placements(mesh, world: int) -> None:
+    """.item() of Replicate, Shard and Partial DTensors (the handler must not change torch's answers)."""
+    a = full((world, 3), 8)
+    for placement in (Replicate(), Shard(0)):
+        x = distribute_tensor(a, mesh, [placement])
+        assert x.sum().item() == a.sum().item(), placement
+        assert x.amax().item() == a.amax().item(), placement
+    part = DTensor.from_local(a[dist.get_rank()], mesh, [Partial()])
+    assert part[0].item() == a[:, 0].sum().item()
+
+
 def _factories(mesh, case: Case, placement: RaggedShard) -> None:
     shape = case.shape
     kw = {"device_mesh": mesh, "placements": [placement]}
@@ -330,6 +361,9 @@ def _all_cases(rank: int, world: int, mesh) -> dict:
         out[f"init:{case.name}"] = lambda c=case, p=placement: _init(mesh, c, p)
         out[f"factories:{case.name}"] = lambda c=case, p=placement: _factories(mesh, c, p)
     out["init:linear_reset_parameters"] = lambda: _module_init(mesh, world)
+    out["item:other_placements"] = lambda: _item_of_other_placements(mesh, world)
+    if world == 4:
+        out["init:2d_mesh"] = lambda: _init_2d(world)
     if world == 3:  # importing transformers costs seconds per worker: one world size suffices
         out["init:hf_llama_init_weights"] = lambda: _hf_init_weights(mesh, world)
     out["from_local:wrong_size"] = lambda: _bad_from_local(mesh, world)
