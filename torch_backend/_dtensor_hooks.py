@@ -46,6 +46,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed.tensor._api as dt_api
 import torch.distributed.tensor._redistribute as dt_redistribute
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -404,7 +405,7 @@ def _propagate_op_sharding_non_cached(self, op_schema: OpSchema) -> OutputShardi
     op = op_schema.op
     try:
         out_meta = self._propagate_tensor_meta_non_cached(op_schema)
-    except Exception as e:  # torch's fake-tensor errors: nonzero, masks, allclose, .item()
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:  # nonzero, x[mask], allclose
         ragged_spec = next(s for s in specs if has_ragged(s.placements))
         raise _ops.UnsupportedRaggedOp(
             f"{op}: its output shape or value depends on the data, which no rank holds whole under "
