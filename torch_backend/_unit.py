@@ -173,10 +173,12 @@ class Unit:
             self._build_buffers(first.dtype, first.device)
         for ref, p, local in zip(self.refs, params, locals_):
             view = self.master.shard_view(ref.name)
-            if local.data_ptr() != view.data_ptr() or local.numel() != view.numel():
+            # Compare storages, not data_ptr(): an empty view's data_ptr() is 0 whatever its storage.
+            if (local.untyped_storage().data_ptr(), local.storage_offset()) != (
+                    view.untyped_storage().data_ptr(), view.storage_offset()):
                 record_copy(view, local)
                 view.copy_(local.reshape(-1))
-                p._local_tensor = view
+            p._local_tensor = view
         self.sharded = params
         self._register(self.sharded)
 

@@ -228,25 +228,35 @@ def _bf16(mesh, rank: int, world: int) -> dict:
             "params": rel_errors(params["ours"], params["fsdp2"])}
 
 
-def _meta_llama(mesh, rank: int, world: int) -> dict:
-    """Meta device -> fully_shard -> to_empty -> the model's own ``init_weights``: trains like a CPU build."""
-    from torch_backend._fully_shard import units
-
-    ref = reference("llama_untied")
-    torch.manual_seed(SEED)
+def _meta_initialized(mesh=None) -> nn.Module:
+    """Meta device, (``fully_shard`` when ``mesh``), ``to_empty``, then the model's own ``init_weights``."""
     with torch.device("meta"):
         model = MODELS["llama_untied"]()
-    shard(model, mesh, "ours")
+    if mesh is not None:
+        shard(model, mesh, "ours")
     model.to_empty(device="cpu")
     torch.manual_seed(SEED)
-    model.init_weights()
+    model.init_weights()  # HF skips modules it initialised already: only a meta-built model runs it
+    return model
+
+
+def _meta_llama(mesh, rank: int, world: int) -> dict:
+    """The meta-device recipe sharded trains like the same recipe single-process (same seed)."""
+    from torch_backend._fully_shard import units
+
+    plain = _meta_initialized()
+    init = full_params(plain)
+    ref_losses = train(plain)
+    model = _meta_initialized(mesh)
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     views = all(storage(r.module._parameters[r.attr].to_local()) == storage(u.master.shard)
                 for u in units(model) for r in u.refs)
+    init_error = rel_errors(full_params(model), init)
     rows = slice(rank * B // world, (rank + 1) * B // world)
     losses = train(model, rows)
-    return {"views": views, "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
-            "params": rel_errors(full_params(model), ref["params"])}
+    return {"views": views, "init": init_error,
+            "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "params": rel_errors(full_params(model), full_params(plain))}
 
 
 def _requires_grad_after_wrap(mesh, rank: int, world: int) -> dict:
@@ -342,13 +352,13 @@ def _state_dicts(mesh) -> dict:
     for broadcast in (False, True):
         torch.manual_seed(123)
         other = shard(MODELS["llama_untied"](), mesh, "ours")
-        source = want if not broadcast or dist.get_rank() == 0 else {}
+        source = dict(want) if not broadcast or dist.get_rank() == 0 else {}  # torch fills it in place
         set_model_state_dict(other, source, options=StateDictOptions(full_state_dict=True,
                                                                      broadcast_from_rank0=broadcast))
         out[f"set_full_broadcast={broadcast}"] = rel_errors(full_params(other), want)
     torch.manual_seed(123)
     other = shard(MODELS["llama_untied"](), mesh, "ours")
-    other.load_state_dict(want)
+    other.load_state_dict(dict(want))
     out["load_state_dict_full"] = rel_errors(full_params(other), want)
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -40,9 +40,13 @@ def result(world: int, case: str):
 @pytest.mark.parametrize("model", list(W.MODELS))
 def test_model_trains_like_single_process_and_fsdp2(world, model):
     r = result(world, model)
-    for which in ("fsdp2", "ours"):  # FSDP2 first: if it fails, the case itself is wrong
-        assert r[which]["loss"] <= FP32_RTOL and r[which]["params"] <= FP32_RTOL, (which, r)
-        assert r[which]["num_params"] == r["reference_num_params"], (which, r)  # ties are kept
+    ours, fsdp2 = r["ours"], r["fsdp2"]
+    assert fsdp2["loss"] <= FP32_RTOL and fsdp2["params"] <= 1e-3, r  # the case itself is sound
+    assert ours["loss"] <= FP32_RTOL, r
+    # Every parameter within 1e-5, or no further from the reference than FSDP2's (GPT-2's and BERT's
+    # key biases have an exact gradient of zero: Adam turns rounding noise into steps, on both).
+    assert ours["params"] <= max(FP32_RTOL, 2 * fsdp2["params"]), r
+    assert ours["num_params"] == fsdp2["num_params"] == r["reference_num_params"], r  # ties are kept
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -55,6 +59,7 @@ def test_bf16_llama_matches_fsdp2_under_the_same_policy(world):
 def test_meta_device_to_empty_init_weights_trains_like_a_cpu_build(world):
     r = result(world, "meta_llama")
     assert r["views"], "a parameter is no longer a view into its unit's shard after to_empty"
+    assert r["init"] == 0.0, r  # the same values as the single-process init with the same seed
     assert r["loss"] <= FP32_RTOL and r["params"] <= FP32_RTOL, r
 
 
