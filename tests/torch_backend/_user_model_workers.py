@@ -377,6 +377,13 @@ def _state_dicts(mesh) -> dict:
     out["optim_full_roundtrip"] = max(
         rel_errors({k: v for k, v in again["state"][n].items() if k != "step"},
                    {k: v for k, v in saved["state"][n].items() if k != "step"}) for n in saved["state"])
+    sharded = get_optimizer_state_dict(model, opt)
+    sharded_opt = torch.optim.AdamW(other.parameters(), lr=LR)
+    set_optimizer_state_dict(other, sharded_opt, sharded)
+    again = get_optimizer_state_dict(other, sharded_opt, options=StateDictOptions(full_state_dict=True))
+    out["optim_sharded_roundtrip"] = max(
+        rel_errors({k: v for k, v in again["state"][n].items() if k != "step"},
+                   {k: v for k, v in saved["state"][n].items() if k != "step"}) for n in saved["state"])
     return out
 
 
