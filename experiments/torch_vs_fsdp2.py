@@ -1,8 +1,10 @@
 """ragged-fsdp's ``fully_shard`` against PyTorch FSDP2, side by side in one run on 4 gloo processes.
 
-Same model (a llama a bit larger than llama-tiny, so that collectives and copies are not lost in the
-per-op overhead), data, seed and optimizer (AdamW). Both wrap tok_embeddings, each block,
-[norm, output] and the root, with ``reshard_after_forward=True``. Measured per rank:
+Same model, data, seed and optimizer (AdamW) for both, two models in one run: the project's llama (a bit
+larger than llama-tiny, so that collectives and copies are not lost in the per-op overhead; both wrap
+tok_embeddings, each block, [norm, output] and the root) and a HuggingFace ``LlamaForCausalLM`` of the
+same shapes with untied embeddings (built in code, nothing downloaded; both wrap each decoder layer and
+the root, the rule a user applies to their own model). ``reshard_after_forward=True``. Measured per rank:
 
 - step time (forward, backward, optimizer), median over steps after a warm-up; the two runtimes
   alternate step by step in one process group so they see the same machine load;
@@ -39,6 +41,7 @@ WORLD = 4
 CONFIG = LlamaConfig(vocab_size=8192, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, head_dim=32, ffn_dim=704)
 BATCH, SEQ = 4, 64  # per rank
 RESULTS = Path(__file__).parent / "results"
+MODELS = ("llama", "hf_llama")
 _COPY_OPS = {"copy_", "_to_copy", "clone", "cat", "stack", "split_with_sizes_copy", "_chunk_cat",
              "_foreach_copy_", "slice_scatter", "as_strided_scatter", "index_copy_", "index_copy"}
 _COLLECTIVE_FNS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather_single",
@@ -113,21 +116,46 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _build(kind: str, mesh):
+def _plain(name: str) -> torch.nn.Module:
+    """The unsharded model ``name``, initialised from seed 0."""
+    if name == "llama":
+        from torch_backend.models import Llama
+
+        model = Llama(CONFIG)
+        model.init_weights(0)
+        return model
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(HFLlamaConfig(
+        vocab_size=CONFIG.vocab_size, hidden_size=CONFIG.dim, intermediate_size=CONFIG.ffn_dim,
+        num_hidden_layers=CONFIG.n_layers, num_attention_heads=CONFIG.n_heads,
+        num_key_value_heads=CONFIG.n_kv_heads, head_dim=CONFIG.head_dim, max_position_embeddings=SEQ,
+        tie_word_embeddings=False, attn_implementation="sdpa"))
+
+
+def _build(name: str, kind: str, mesh):
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    from torch_backend.models import Llama, parallelize
+    from torch_backend import fully_shard
+    from torch_backend.models import parallelize
 
-    model = Llama(CONFIG)
-    model.init_weights(0)
-    if kind == "ours":
+    model = _plain(name)
+    if name == "llama" and kind == "ours":
         parallelize(model, mesh)
-    else:
+    elif name == "llama":
         fsdp2_fully_shard(model.tok_embeddings, mesh=mesh)
         for block in model.layers:
             fsdp2_fully_shard(block, mesh=mesh)
         fsdp2_fully_shard([model.norm, model.output], mesh=mesh)
         fsdp2_fully_shard(model, mesh=mesh)
+    else:
+        shard = fully_shard if kind == "ours" else fsdp2_fully_shard
+        for layer in model.model.layers:
+            shard(layer, mesh=mesh)
+        shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -137,13 +165,18 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _step(model, opt, step: int, rank: int) -> tuple[float, float]:
-    """One training step; returns (loss, seconds of forward+backward)."""
+def _loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     from torch_backend.models import cross_entropy
 
+    out = model(x)
+    return cross_entropy(getattr(out, "logits", out), y)  # HuggingFace models return an output object
+
+
+def _step(model, opt, step: int, rank: int) -> tuple[float, float]:
+    """One training step; returns (loss, seconds of forward+backward)."""
     x, y = _batch(step, rank)
     t0 = time.perf_counter()
-    loss = cross_entropy(model(x), y)
+    loss = _loss(model, x, y)
     loss.backward()
     fwd_bwd = time.perf_counter() - t0
     opt.step()
@@ -158,11 +191,10 @@ def _metered(fn) -> Meter:
     return meter
 
 
-def _timing(rank: int, mesh, warmup: int, steps: int) -> dict:
+def _timing(name: str, rank: int, mesh, warmup: int, steps: int) -> dict:
     from torch_backend import debug_counter
-    from torch_backend.models import Llama, cross_entropy
 
-    runs = {kind: _build(kind, mesh) for kind in ("fsdp2", "ours")}
+    runs = {kind: _build(name, kind, mesh) for kind in ("fsdp2", "ours")}
     out = {kind: {"step_s": [], "fwd_bwd_s": [], "losses": []} for kind in runs}
     for step in range(warmup + steps):
         for kind, (model, opt) in runs.items():  # alternate, so both see the same load
@@ -175,9 +207,9 @@ def _timing(rank: int, mesh, warmup: int, steps: int) -> dict:
                 out[kind]["step_s"].append(elapsed)
                 out[kind]["fwd_bwd_s"].append(fwd_bwd)
     # Copies and communication of one more step each (the meter slows ops down, so it is not timed).
-    plain = Llama(CONFIG)
+    plain = _plain(name)
     x, y = _batch(0, rank)
-    intrinsic = _metered(lambda: cross_entropy(plain(x), y).backward()).copy_bytes
+    intrinsic = _metered(lambda: _loss(plain, x, y).backward()).copy_bytes
     for kind, (model, opt) in runs.items():
         with debug_counter() as counter:
             meter = _metered(lambda m=model, o=opt: _step(m, o, warmup + steps, rank))
@@ -190,17 +222,19 @@ def _timing(rank: int, mesh, warmup: int, steps: int) -> dict:
     return out
 
 
-def _memory(kind: str, mesh, steps: int) -> dict:
+def _memory(name: str, kind: str, mesh, steps: int) -> dict:
     rank = dist.get_rank()
+    if name != "llama":
+        _plain(name)  # imports (transformers) before the baseline, so the RSS counts the model only
     base = _rss_bytes()
-    model, opt = _build(kind, mesh)
+    model, opt = _build(name, kind, mesh)
     for step in range(steps):
         _step(model, opt, step, rank)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"peak_rss_above_baseline": peak - base}
 
 
-def _worker(rank: int, port: int, mode: str, kind: str, warmup: int, steps: int, queue) -> None:
+def _worker(rank: int, port: int, name: str, mode: str, kind: str, warmup: int, steps: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
@@ -210,20 +244,21 @@ def _worker(rank: int, port: int, mode: str, kind: str, warmup: int, steps: int,
 
     _mark_collectives()
     mesh = init_device_mesh("cpu", (WORLD,))
-    result = _timing(rank, mesh, warmup, steps) if mode == "timing" else _memory(kind, mesh, warmup + steps)
+    result = (_timing(name, rank, mesh, warmup, steps) if mode == "timing"
+              else _memory(name, kind, mesh, warmup + steps))
     queue.put((rank, result))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _launch(mode: str, kind: str, warmup: int, steps: int) -> list[dict]:
+def _launch(name: str, mode: str, kind: str, warmup: int, steps: int) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the workers: big frees leave the RSS
-    procs = [ctx.Process(target=_worker, args=(r, port, mode, kind, warmup, steps, queue))
+    procs = [ctx.Process(target=_worker, args=(r, port, name, mode, kind, warmup, steps, queue))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -258,6 +293,14 @@ def _summary(timing: list[dict], memory: dict[str, list[dict]]) -> dict:
 
 
 def _markdown(s: dict) -> str:
+    hf = s["hf_llama"]
+    return (_table(s, "project llama; wraps tok_embeddings, each block, [norm, output], root")
+            + "\n## HuggingFace LlamaForCausalLM (untied), the same shapes\n\n"
+            + _table(hf, "transformers LlamaForCausalLM (tie_word_embeddings=False, sdpa); wraps each "
+                         "decoder layer and the root", heading=False))
+
+
+def _table(s: dict, model: str, heading: bool = True) -> str:
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
     rows = [
         ("median step time (fwd+bwd+AdamW)", lambda r: f"{r['median_step_s'] * 1e3:.1f} ms"),
@@ -270,9 +313,8 @@ def _markdown(s: dict) -> str:
     ]
     c = s["config"]
     lines = [
-        "# ragged-fsdp `fully_shard` vs PyTorch FSDP2 (4 gloo processes, CPU)",
-        "",
-        f"torch {s['torch']}; llama with vocab {c['vocab_size']}, dim {c['dim']}, {c['n_layers']} layers, "
+        *(["# ragged-fsdp `fully_shard` vs PyTorch FSDP2 (4 gloo processes, CPU)", ""] if heading else []),
+        f"torch {s['torch']}; {model}; vocab {c['vocab_size']}, dim {c['dim']}, {c['n_layers']} layers, "
         f"{c['n_heads']} heads ({c['n_kv_heads']} kv), ffn {c['ffn_dim']}; batch {s['batch_per_rank'][0]} x "
         f"{s['batch_per_rank'][1]} tokens per rank; reshard_after_forward=True; AdamW.",
         "",
@@ -302,9 +344,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     t0 = time.perf_counter()
-    timing = _launch("timing", "both", args.warmup, args.steps)
-    memory = {kind: _launch("memory", kind, args.warmup, 3) for kind in ("fsdp2", "ours")}
-    summary = _summary(timing, memory)
+    summaries = {}
+    for name in MODELS:
+        timing = _launch(name, "timing", "both", args.warmup, args.steps)
+        memory = {kind: _launch(name, "memory", kind, args.warmup, 3) for kind in ("fsdp2", "ours")}
+        summaries[name] = _summary(timing, memory)
+    summary = summaries["llama"] | {"hf_llama": summaries["hf_llama"]}
     summary["wall_s"] = time.perf_counter() - t0
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "torch_vs_fsdp2.json").write_text(json.dumps(summary, indent=1))

@@ -8,7 +8,14 @@ from torch_backend import _dtensor_hooks  # noqa: F401  (importing it installs t
 from torch_backend._api import MixedPrecisionPolicy
 from torch_backend._collectives import CollectiveError
 from torch_backend._debug import DebugCounter, debug_counter
-from torch_backend._fully_shard import FSDPModule, clip_grad_norm_, fully_shard, plan_module, unsharded
+from torch_backend._fully_shard import (
+    FSDPModule,
+    clip_grad_norm_,
+    fully_shard,
+    plan_module,
+    register_fsdp_forward_method,
+    unsharded,
+)
 from torch_backend._neutral_checkpoint import load_neutral_checkpoint, save_neutral_checkpoint
 from torch_backend._ops import UnsupportedRaggedOp
 from torch_backend._placement import RaggedShard
@@ -29,6 +36,7 @@ __all__ = [
     "fully_shard",
     "load_checkpoint",
     "plan_module",
+    "register_fsdp_forward_method",
     "save_checkpoint",
     "unsharded",
 ]

@@ -629,3 +629,39 @@ _REBOUND = (
 )
 
 register()
+
+
+# ----- torch.distributed.checkpoint.state_dict: full state dicts broadcast from rank 0 -------------------
+def install_state_dict_hook() -> None:
+    """Wrap ``torch.distributed._state_dict_utils._distribute_tensors`` (idempotent).
+
+    ``set_model_state_dict(..., broadcast_from_rank0=True)`` broadcasts each full tensor, then copies
+    the box torch computes for the placements into the local tensor; a RaggedShard local is a flat
+    range of that box, so it gets that range instead. Installed by ``torch_backend._state_dict``.
+    """
+    import torch.distributed._state_dict_utils as sd_utils
+
+    original = getattr(sd_utils, "_distribute_tensors", None)
+    if original is None or "_distribute_tensors" in _ORIGINAL:
+        return  # a torch without this internal: broadcast_from_rank0 is torch's own business there
+    _ORIGINAL["_distribute_tensors"] = original
+
+    def _distribute_tensors(local_state_dict, keys, device, pg=None):
+        ragged = []
+        for key in keys:
+            entry = local_state_dict.get(key)
+            if isinstance(entry, tuple) and isinstance(entry[0], DTensor) and has_ragged(entry[0].placements):
+                ragged.append(key)
+        for key in ragged:
+            local_state, full = local_state_dict[key]
+            local = local_state.to_local()
+            if not local_state.is_meta:
+                placement = next(p for p in local_state.placements if isinstance(p, RaggedShard))
+                mesh_dim = list(local_state.placements).index(placement)
+                start, stop = placement.core.ranges(tuple(full.shape))[local_state.device_mesh.get_local_rank(
+                    mesh_dim)]
+                local.copy_(full.reshape(-1)[start:stop])
+            local_state_dict[key] = local_state
+        original(local_state_dict, [k for k in keys if k not in ragged], device, pg)
+
+    sd_utils._distribute_tensors = _distribute_tensors

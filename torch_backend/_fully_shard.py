@@ -6,6 +6,7 @@ Imports flow one way: api, debug, collectives, dbuffer, unit, hooks, fully_shard
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -62,6 +63,18 @@ class FSDPModule:
             if state.unit is not None:
                 state.unit.requires_grad_sync = requires_gradient_sync
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``to_empty``, ``to``, ``float()``...: keep every sharded parameter a view into its unit's shard.
+
+        ``nn.Module._apply`` gives each DTensor parameter new local tensors; as in FSDP2, the unit then
+        takes their values back into its flat shard (on the new device or dtype, if they changed).
+        """
+        self.reshard()
+        ret = super()._apply(*args, **kwargs)
+        if self._fsdp_state.unit is not None:
+            self._fsdp_state.unit.adopt_sharded()
+        return ret
+
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """All-gather ``modules``' units (asynchronously) when this module's forward starts."""
         self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
@@ -80,6 +93,28 @@ class UnshardHandle:
 
     def wait(self) -> None:
         self._unit.wait_for_unshard()
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` (e.g. ``generate``) through the unit's forward hooks, as FSDP2 does.
+
+    Only ``forward`` calls run the hooks that all-gather the parameters; any other method would see the
+    sharded ones. Does nothing if ``module`` is not sharded (FSDP2's behaviour).
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method "
+                         f"{method_name!r}")
+    method = getattr(module, method_name).__func__
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def through_hooks(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, method(self, *args, **kwargs))
+
+    setattr(module, method_name, through_hooks.__get__(module))
 
 
 def _state_of(module: nn.Module, where: str) -> FSDPState:
@@ -101,17 +136,28 @@ def _managed(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Module, str, nn
     """``(name, owner, attr, param)`` for the parameters a new unit over ``modules`` would manage.
 
     The order is ``named_parameters()``'s; parameters of submodules already sharded are left to their
-    own unit, and a parameter registered twice is taken once. Names are relative to each module, with
-    the module's index in front when several are given.
+    own unit. A parameter registered several times (tied weights) is taken once, named by its first
+    use; ``_shared_uses`` finds the others. Names are relative to each module, with the module's index
+    in front when several are given.
     """
-    out: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    return [(name, owner, attr, p) for name, owner, attr, p in _uses(modules) if name is not None]
+
+
+def _uses(modules: Sequence[nn.Module]) -> list[tuple[str | None, nn.Module, str, nn.Parameter]]:
+    """Every ``(name, module, attr, param)`` registration under ``modules`` outside sharded submodules;
+    the name is None for a parameter already seen."""
+    out: list[tuple[str | None, nn.Module, str, nn.Parameter]] = []
     seen: set[int] = set()
+    visited: set[int] = set()
 
     def visit(m: nn.Module, prefix: str) -> None:
+        if id(m) in visited:  # a module registered twice: its parameters are already listed
+            return
+        visited.add(id(m))
         for attr, p in m._parameters.items():
-            if p is not None and id(p) not in seen:
+            if p is not None:
+                out.append((None if id(p) in seen else prefix + attr, m, attr, p))
                 seen.add(id(p))
-                out.append((prefix + attr, m, attr, p))
         for child_name, child in m._modules.items():
             if child is not None and not isinstance(child, FSDPModule):
                 visit(child, f"{prefix}{child_name}.")
@@ -194,11 +240,40 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+def _check_mesh_covers(mesh: DeviceMesh) -> None:
+    """Every rank of the process group sits in the mesh (or in the root mesh a sub-mesh was cut from).
+
+    A rank outside it would never join the unit's collectives and leave the others blocked; ranks
+    inside cannot see that without communicating, so a root mesh smaller than the process group is
+    rejected on every rank.
+    """
+    if not dist.is_initialized():
+        return
+    root = _root_mesh(mesh)
+    world = dist.get_world_size()
+    if root.size() != world or mesh.get_coordinate() is None:
+        ranks = root.mesh.flatten().tolist()
+        raise ValueError(f"fully_shard: the mesh covers ranks {ranks} but the process group has {world} "
+                         f"ranks; every rank must hold a place in the mesh (build it over all "
+                         f"{world} ranks, e.g. init_device_mesh(device_type, ({world},)), or cut sub-meshes "
+                         "from such a mesh)")
+
+
+def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is not None:
+        return get_root()
+    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.9
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
 def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> None:
     """Reject bad input before any collective, with the same message on every rank."""
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard: mesh must be 1-D (shard) or 2-D (replicate, shard), got "
                          f"{mesh.ndim}-D mesh {tuple(mesh.shape)}")
+    _check_mesh_covers(mesh)
     for m in modules:
         if isinstance(m, FSDPModule):
             raise ValueError(f"fully_shard: {type(m).__name__} is already sharded; call fully_shard once per "
@@ -258,8 +333,13 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     unit = None
     if params:
         layout = plan_module(modules, mesh.size(mesh.ndim - 1), granularity)
-        unit = Unit(layout.name, layout, [ParamRef(n, owner, attr) for n, owner, attr, _ in params],
-                    [p for *_, p in params], mesh, mp_policy or MixedPrecisionPolicy())
+        shared: dict[int, list[tuple[nn.Module, str]]] = {}
+        for name, owner, attr, p in _uses(modules):
+            if name is None:
+                shared.setdefault(id(p), []).append((owner, attr))
+        refs = [ParamRef(n, owner, attr, tuple(shared.get(id(p), ()))) for n, owner, attr, p in params]
+        unit = Unit(layout.name, layout, refs, [p for *_, p in params], mesh,
+                    mp_policy or MixedPrecisionPolicy())
     state = FSDPState(tuple(modules), unit, reshard_after_forward)
     for m in modules:
         cls = m.__class__

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_backend._unit import Unit
 
@@ -42,10 +42,11 @@ class FSDPState:
         self.root = None
         self._modules_left = 0  # modules of the group whose forward has not finished this pass
         self._backward_started = False
+        self._inputs_pending = 0  # forwards whose inputs have not received their gradients yet
         if unit is not None:
-            unit.post_backward_callback = self.post_backward
+            unit.post_backward_callback = self._maybe_post_backward
         for m in modules:
-            m.register_forward_pre_hook(self._pre_forward, prepend=True)
+            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             m.register_forward_hook(self._post_forward)
 
     @property
@@ -53,13 +54,15 @@ class FSDPState:
         return self.root is not None and self.root.state is self
 
     # ----- forward ---------------------------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root is None:
             RootContext(self)
         if self.is_root and self._modules_left == 0:
             self.root.begin_forward()
+        if torch.is_grad_enabled() and not self.root.in_backward:
+            args, kwargs = self._watch_inputs(args, kwargs)
         if self._modules_left > 0:  # a later module of the same group: already unsharded
-            return
+            return args, kwargs
         self._modules_left = len(self.modules)
         if self.unit is not None:
             self.unit.unshard()
@@ -71,6 +74,34 @@ class FSDPState:
         for t in targets:
             if t.unit is not None:
                 t.unit.unshard(async_op=True)
+        return args, kwargs
+
+    def _watch_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Route the inputs that need a gradient through ``_InputsDone`` (FSDP2's post-backward hook).
+
+        Its backward runs once autograd has computed every gradient of these inputs, i.e. once the
+        backward of everything this forward computed from them is done: only then may the unit be
+        resharded, since frozen parameters are still read by that backward (LoRA, frozen norms) after
+        the last trainable gradient landed.
+        """
+        flat, spec = tree_flatten((args, kwargs))
+        index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not index or self.unit is None:
+            return args, kwargs
+        self._inputs_pending += 1
+        outs = _InputsDone.apply(self, *(flat[i] for i in index))
+        for i, t in zip(index, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _inputs_done(self) -> None:
+        self._inputs_pending -= 1
+        self._maybe_post_backward()
+
+    def _maybe_post_backward(self) -> None:
+        unit = self.unit
+        if unit is not None and unit._grads_ready and unit._grads_left == 0 and self._inputs_pending == 0:
+            self.post_backward()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -110,6 +141,43 @@ class FSDPState:
             self.root.reducing(self.unit)
 
 
+class _InputsDone(torch.autograd.Function):
+    """Identity on a forward's inputs; its backward tells the state the inputs' gradients are done."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.state._inputs_done()
+        return (None, *grads)
+
+
+def _check_one_unit_per_parameter(tops: tuple[nn.Module, ...], states: list[FSDPState]) -> None:
+    """FSDP2's rule: a tied parameter belongs to one unit, the lowest one containing all of its uses.
+
+    Two units that took the same parameter (its uses sit in sibling units, or below and above a unit
+    boundary) would each train their own copy and silently untie it.
+    """
+    fqns = {id(m): name for top in tops for name, m in top.named_modules(remove_duplicate=False)}
+    owner: dict[int, str] = {}
+    for s in states:
+        if s.unit is None:
+            continue
+        for ref, orig in zip(s.unit.refs, s.unit.orig_ids):
+            fqn = f"{fqns.get(id(ref.module), '?')}.{ref.attr}".lstrip(".")
+            if orig in owner:
+                first = owner[orig]
+                a, b = first.rsplit(".", 1)[0], fqn.rsplit(".", 1)[0]
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} is the same tensor as {first!r}, which another unit "
+                    f"already manages; tied parameters belong to one unit: shard the modules that use it "
+                    f"together, e.g. fully_shard([model.{a}, model.{b}]), or leave them to a common parent")
+            owner[orig] = fqn
+
+
 class RootContext:
     """Bookkeeping shared by every unit under the root: forward order, pending reduces, CUDA streams."""
 
@@ -122,6 +190,7 @@ class RootContext:
                 if s is not None:
                     seen.setdefault(id(s), s)
         self.states = list(seen.values())
+        _check_one_unit_per_parameter(state.modules, self.states)
         self.forward_order: list[FSDPState] = []
         self.last_forward_order: list[FSDPState] = []
         self.in_backward = False
@@ -152,6 +221,8 @@ class RootContext:
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order = []
+        for s in self.states:
+            s._inputs_pending = 0  # a forward whose backward never ran (e.g. evaluation with grads on)
 
     def begin_backward(self) -> None:
         if not self.in_backward:
@@ -178,6 +249,7 @@ class RootContext:
         self.in_backward = False
         for s in self.states:
             s._backward_started = False
+            s._inputs_pending = 0
 
     def end_step(self) -> None:
         """Reshard every unit (after backward, or after a forward that had no backward)."""

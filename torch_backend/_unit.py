@@ -11,7 +11,6 @@ sharded parameter's ``.grad`` is a DTensor view into that shard. Nothing is pack
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from torch_backend._api import MixedPrecisionPolicy
 from torch_backend._collectives import Pending, all_gather, all_reduce, reduce_scatter, side_stream
 from torch_backend._dbuffer import DBuffer
 from torch_backend._debug import record_copy
+from torch_backend._dtensor_hooks import make_dtensor
 from torch_backend._placement import RaggedShard
 
 
@@ -34,11 +34,16 @@ class UnitState(enum.Enum):
 
 @dataclass(frozen=True)
 class ParamRef:
-    """Where one parameter of the unit is registered: ``module.<attr>``, named ``name`` in the layout."""
+    """Where one parameter of the unit is registered: ``module.<attr>``, named ``name`` in the layout.
+
+    ``shared`` lists the other ``(module, attr)`` that hold the same parameter (tied weights): every use
+    is given the same sharded or unsharded parameter.
+    """
 
     name: str
     module: nn.Module
     attr: str
+    shared: tuple[tuple[nn.Module, str], ...] = ()
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -50,8 +55,7 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: tuple[int, ...]) -> DTensor:
     """A DTensor of global ``shape`` whose local tensor is ``local`` itself (a view, no copy)."""
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return make_dtensor(local, mesh, placements, shape)  # from_local would take shape () for "infer"
 
 
 class Unit:
@@ -88,45 +92,22 @@ class Unit:
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.world = mesh.size()  # gradients are averaged over every rank of the mesh
-        device = mesh_device(mesh)
-        master_dtype = params[0].dtype
-        compute_dtype = mp_policy.compute_dtype(master_dtype)
-        reduce_dtype = mp_policy.reduction_dtype(master_dtype)
-        self.master = DBuffer(layout, self.rank, master_dtype, device)
-        self.compute = self.master if compute_dtype == master_dtype else DBuffer(
-            layout, self.rank, compute_dtype, device)
-        self.grads = DBuffer(layout, self.rank, compute_dtype, device, with_shard=False)
-        self.reduce = self.grads if reduce_dtype == compute_dtype else DBuffer(
-            layout, self.rank, reduce_dtype, device, with_shard=False)
-        self.main_grad = DBuffer(layout, self.rank, master_dtype, device)
+        self.mp_policy = mp_policy
+        self.orig_ids = tuple(id(p) for p in params)  # per ref: FSDP2 allows one unit per parameter
         self.requires_grad_sync = True
         self.ag_stream = self.rs_stream = None
         self.state = UnitState.SHARDED
-
-        placements = {t.name: RaggedShard.from_core(layout.placement(t.name)) for t in layout.tensors}
+        self._placements = [([Replicate()] if mesh.ndim == 2 else [])
+                            + [RaggedShard.from_core(layout.placement(ref.name))] for ref in refs]
+        self._build_buffers(params[0].dtype, mesh_device(mesh))
         self.sharded: list[nn.Parameter] = []
-        self.unsharded: list[nn.Parameter] = []
-        self._sharded_grads: list[DTensor] = []
-        for ref, orig in zip(refs, params):
-            with torch.no_grad():
-                if not orig.is_meta:
-                    start, stop = self.master.local_range(ref.name)
-                    src = orig.detach().reshape(-1)[start:stop]
-                    record_copy(self.master.shard_view(ref.name), src)
-                    self.master.shard_view(ref.name).copy_(src)
-            mesh_placements = ([Replicate()] if mesh.ndim == 2 else []) + [placements[ref.name]]
-            shape = tuple(orig.shape)
-            local, local_grad = self.master.shard_view(ref.name), self.main_grad.shard_view(ref.name)
-            self.sharded.append(nn.Parameter(_dtensor(local, mesh, mesh_placements, shape),
+        for ref, orig, placements in zip(refs, params, self._placements):
+            if not orig.is_meta:
+                self._copy_into_shard(ref.name, orig.detach())
+            local = self.master.shard_view(ref.name)
+            self.sharded.append(nn.Parameter(_dtensor(local, mesh, placements, tuple(orig.shape)),
                                              requires_grad=orig.requires_grad))
-            self._sharded_grads.append(_dtensor(local_grad, mesh, mesh_placements, shape))
-            unsharded = nn.Parameter(self.compute.full_view(ref.name), requires_grad=orig.requires_grad)
-            if orig.requires_grad:
-                unsharded.register_hook(self._on_first_grad)
-                unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
-            self.unsharded.append(unsharded)
         self._register(self.sharded)
-        self.main_grad.free_shard()  # views are made; the storage comes back with the first reduce
 
         self._pending_all_gather: Pending | None = None
         self._pending_reduce: Pending | None = None
@@ -135,14 +116,78 @@ class Unit:
         self._grads_ready = False  # unsharded .grad views are set for this backward
         self._unsynced_grads = False  # the unsharded gradient buffer holds grads of unsynced backwards
         self._grads_left = 0  # params whose gradient has not landed yet in this backward
+        self._landed: set[int] = set()  # indices of the params that received a gradient since the reduce
+        self._reduced: set[int] = set()  # those of them in the reduce in flight
         self._version = -1  # the unsharded buffer's version once filled (to detect user writes)
         self._keep_version: torch.autograd._unsafe_preserve_version_counter | None = None
         self.post_backward_callback = None  # set by the hooks: called when all gradients landed
+
+    def _build_buffers(self, master_dtype: torch.dtype, device: torch.device) -> None:
+        """(Re)create every DBuffer, the unsharded parameters and the sharded gradient views."""
+        layout, rank = self.layout, self.rank
+        compute_dtype = self.mp_policy.compute_dtype(master_dtype)
+        reduce_dtype = self.mp_policy.reduction_dtype(master_dtype)
+        self.master = DBuffer(layout, rank, master_dtype, device)
+        self.compute = self.master if compute_dtype == master_dtype else DBuffer(
+            layout, rank, compute_dtype, device)
+        self.grads = DBuffer(layout, rank, compute_dtype, device, with_shard=False)
+        self.reduce = self.grads if reduce_dtype == compute_dtype else DBuffer(
+            layout, rank, reduce_dtype, device, with_shard=False)
+        self.main_grad = DBuffer(layout, rank, master_dtype, device)
+        self.unsharded: list[nn.Parameter] = []
+        self._sharded_grads: list[DTensor] = []
+        for i, (ref, placements) in enumerate(zip(self.refs, self._placements)):
+            slot = layout.slot(ref.name)
+            self._sharded_grads.append(_dtensor(self.main_grad.shard_view(ref.name), self.mesh, placements,
+                                                slot.shape))
+            # Hooks on every parameter: ``requires_grad`` may be switched on after wrapping.
+            unsharded = nn.Parameter(self.compute.full_view(ref.name))
+            unsharded.register_hook(self._on_first_grad)
+            unsharded.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad_accumulated(i))
+            self.unsharded.append(unsharded)
+        self.main_grad.free_shard()  # views are made; the storage comes back with the first reduce
+
+    def _copy_into_shard(self, name: str, full: torch.Tensor) -> None:
+        start, stop = self.master.local_range(name)
+        src = full.reshape(-1)[start:stop]
+        with torch.no_grad():
+            record_copy(self.master.shard_view(name), src)
+            self.master.shard_view(name).copy_(src)
+
+    @torch.no_grad()
+    def adopt_sharded(self) -> None:
+        """Make the registered sharded parameters views into ``master.shard`` again.
+
+        ``nn.Module._apply`` (``to_empty``, ``to``, ``float()``...) swaps each DTensor parameter's
+        contents for new local tensors; their values are copied into the unit's shard (a new one when
+        the device or dtype changed) and each local becomes a view of it again, so the parameter objects
+        (and an optimizer's references) stay the same.
+        """
+        self.reshard()
+        params = [ref.module._parameters[ref.attr] for ref in self.refs]
+        locals_ = [p._local_tensor for p in params]
+        if any(t.is_meta for t in locals_):
+            return  # ``to("meta")``: nothing to keep; the buffers stay as they are
+        first = locals_[0]
+        if (first.dtype, first.device) != (self.master.dtype, self.master.shard.device):
+            self._build_buffers(first.dtype, first.device)
+        for ref, p, local in zip(self.refs, params, locals_):
+            view = self.master.shard_view(ref.name)
+            # Compare storages, not data_ptr(): an empty view's data_ptr() is 0 whatever its storage.
+            if (local.untyped_storage().data_ptr(), local.storage_offset()) != (
+                    view.untyped_storage().data_ptr(), view.storage_offset()):
+                record_copy(view, local)
+                view.copy_(local.reshape(-1))
+            p._local_tensor = view
+        self.sharded = params
+        self._register(self.sharded)
 
     # ----- registration ---------------------------------------------------------------------------
     def _register(self, params: list[nn.Parameter]) -> None:
         for ref, p in zip(self.refs, params):
             ref.module._parameters[ref.attr] = p
+            for module, attr in ref.shared:
+                module._parameters[attr] = p
 
     def rename(self, name: str, names: dict[str, str]) -> None:
         """Name the unit and its tensors (e.g. by FQNs once the root is known); no offset moves."""
@@ -152,7 +197,7 @@ class Unit:
         buffers = (self.master, self.compute, self.grads, self.reduce, self.main_grad)
         for buf in {id(b): b for b in buffers}.values():
             buf.relabel(layout)
-        self.refs = [ParamRef(names[r.name], r.module, r.attr) for r in self.refs]
+        self.refs = [ParamRef(names[r.name], r.module, r.attr, r.shared) for r in self.refs]
         self.layout = layout
         self.name = name
 
@@ -185,6 +230,8 @@ class Unit:
                 pass
             self._version = self.compute.full._version
         if self.state is UnitState.SHARDED:
+            for sharded, unsharded in zip(self.sharded, self.unsharded):
+                unsharded.requires_grad_(sharded.requires_grad)  # a switch after wrapping takes effect
             self._register(self.unsharded)
             self.state = UnitState.UNSHARDED
 
@@ -225,7 +272,8 @@ class Unit:
                 self._grads_left += 1
         self._grads_ready = True
 
-    def _on_grad_accumulated(self, _: torch.Tensor) -> None:
+    def _on_grad_accumulated(self, index: int) -> None:
+        self._landed.add(index)
         self._grads_left -= 1
         if self._grads_left == 0 and self.post_backward_callback is not None:
             self.post_backward_callback()
@@ -242,6 +290,7 @@ class Unit:
             self._unsynced_grads = True  # keep accumulating unsharded gradients until a synced backward
             return False
         self._unsynced_grads = False
+        self._reduced, self._landed = self._landed, set()
         self._accumulate_into_grads = any(p.grad is not None for p in self.sharded)
         direct = not self._accumulate_into_grads and self.reduce.dtype == self.main_grad.dtype
         with side_stream(self.rs_stream):
@@ -284,6 +333,6 @@ class Unit:
         self._reduce_out = None
         self.grads.free_full()
         self.reduce.free_full()
-        for p, g in zip(self.sharded, self._sharded_grads):
-            if p.requires_grad:
+        for i, (p, g) in enumerate(zip(self.sharded, self._sharded_grads)):
+            if p.grad is None and i in self._reduced:  # no gradient: None, as FSDP2 (optimizers skip it)
                 p.grad = g

@@ -190,8 +190,8 @@ class _Partial(torch.nn.Module):
 
 
 def test_unused_and_frozen_parameters(mesh):
-    """A parameter without a gradient is reduced at the end of backward (as zeros: every rank must
-    step every slice alike); a frozen one gets no gradient at all."""
+    """A parameter without a gradient keeps ``grad is None`` (FSDP2's behaviour: optimizers skip it);
+    a frozen one gets no gradient at all."""
     torch.manual_seed(0)
     plain = _Partial()
     model = _Partial()
@@ -201,5 +201,29 @@ def test_unused_and_frozen_parameters(mesh):
     for m in (plain, model):
         m(x).sum().backward()
     torch.testing.assert_close(model.used.weight.grad.full_tensor(), plain.used.weight.grad)
-    assert not model.unused.weight.grad.full_tensor().any() and plain.unused.weight.grad is None
+    assert model.unused.weight.grad is None and plain.unused.weight.grad is None
     assert model.frozen.weight.grad is None
+
+
+def test_apply_changing_dtype_rebuilds_the_unit_and_keeps_views(mesh):
+    """``model.double()`` (any ``nn.Module._apply``): values kept, parameters are views of a new shard."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)), mesh=mesh)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), plain.parameters()):
+            p.to_local().copy_(q.reshape(-1))
+    before = list(model.parameters())
+    model.double()
+    plain.double()
+    unit = model._fsdp_state.unit
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert list(model.parameters()) == before  # the same parameter objects (an optimizer keeps them)
+    for p in model.parameters():
+        assert p.dtype == torch.float64 and storage(p.to_local()) == storage(unit.master.shard)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q)
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad)
