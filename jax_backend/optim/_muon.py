@@ -79,7 +79,7 @@ def muon_plan(layouts: Sequence[Layout], axis: str) -> MuonPlan:
     layouts = tuple(layouts)
     world = layouts[0].world_size if layouts else 1
     found = [(lay.name, t) for lay in layouts for t in lay.tensors if len(t.shape) == 2]
-    roots = ragged.assign_roots([ragged.newton_schulz_cost(t.shape) for _, t in found], world)
+    roots = ragged.assign_roots([ragged.newton_schulz_flops(t.shape) for _, t in found], world)
     matrices = {lay.name: tuple(MuonMatrix(t.name, t.shape, r) for (u, t), r in zip(found, roots)
                                 if u == lay.name) for lay in layouts}
     pieces = {}
