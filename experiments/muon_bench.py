@@ -91,12 +91,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    from torch.distributed import tensor as dtensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
 
-    import torch_backend  # noqa: F401  (installs the RaggedShard DTensor hooks before distribute_tensor)
-    from torch_backend import RaggedShard
+    from torch_backend import RaggedShard  # (importing torch_backend installs the DTensor hooks)
     from torch_backend.optim import Muon
 
     device = torch.device(args.device, rank if cuda else 0) if cuda else torch.device("cpu")
@@ -114,9 +113,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     kw = dict(lr=0.02, momentum=0.95, ns_dtype=getattr(torch, args.ns_dtype))
     runs = {}
     for overlap, key in ((False, "ours_sequential"), (True, "ours_overlapped")):
-        live = {n: torch.nn.Parameter(distribute_tensor(t.clone(), mesh, where[n])) for n, t in fulls.items()}
+        live = {n: torch.nn.Parameter(dtensor.distribute_tensor(t.clone(), mesh, where[n]))
+                for n, t in fulls.items()}
         runs[key] = (live, Muon(list(live.items()), overlap=overlap, in_flight=args.in_flight, **kw),
-                     lambda n, g: distribute_tensor(g, mesh, where[n]))
+                     lambda n, g: dtensor.distribute_tensor(g, mesh, where[n]))
     linears = torch.nn.ModuleDict({n.replace(".", "_"): torch.nn.Linear(s[1], s[0], bias=False, device=device)
                                    for n, s in mats})
     for (n, _), lin in zip(mats, linears.values()):
@@ -138,7 +138,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
                 opt.step()
             elif key == "fsdp2_full_tensor":
                 for n, p in fsdp_live.items():
-                    p.grad = distribute_tensor(grads[k][n], mesh, [Shard(0)])
+                    p.grad = dtensor.distribute_tensor(grads[k][n], mesh, [dtensor.Shard(0)])
                 _workaround_step(list(fsdp_live.values()), fsdp_state, kw["lr"], kw["momentum"],
                                  kw["ns_dtype"])
             elif rank == 0:
@@ -176,6 +176,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     diffs["overlapped_equals_sequential_bitwise"] = all(torch.equal(seq[n].to_local(), ovl[n].to_local())
                                                         for n in seq)
     result["max_rel_diff_vs_single_process"] = diffs
+    from torch_backend.optim import newton_schulz
+
+    fp32 = {n: newton_schulz(g) for n, g in grads[0].items()}
+    result["ns_rel_err_vs_fp32"] = max(((newton_schulz(g, dtype=kw["ns_dtype"]) - fp32[n]).norm()
+                                        / fp32[n].norm()).item() for n, g in grads[0].items())
     out[rank] = result
     dist.destroy_process_group()
 
@@ -240,7 +245,8 @@ def summarize(results: dict, args: argparse.Namespace) -> dict:
             "peak_cuda_bytes_rank_max": {v: max(results[r]["peak_cuda_bytes"].get(v, 0) for r in results)
                                          for v in VARIANTS},
             "whole_matrix_bytes_held_at_once_bound": held,
-            "max_rel_diff_vs_single_process": results[0]["max_rel_diff_vs_single_process"]}
+            "max_rel_diff_vs_single_process": results[0]["max_rel_diff_vs_single_process"],
+            "ns_rel_err_vs_fp32": results[0]["ns_rel_err_vs_fp32"]}
 
 
 def render(s: dict) -> str:
@@ -256,7 +262,9 @@ def render(s: dict) -> str:
                      f"| {s['peak_cuda_bytes_rank_max'][v] or '-'} | "
                      f"{s['max_rel_diff_vs_single_process'].get(v, 0):.2e} |")
     lines += ["", f"Overlapped equals sequential bit for bit: "
-              f"{s['max_rel_diff_vs_single_process']['overlapped_equals_sequential_bitwise']}.",
+              f"{s['max_rel_diff_vs_single_process']['overlapped_equals_sequential_bitwise']}. "
+              f"Newton-Schulz in {s['ns_dtype']} vs fp32 (relative Frobenius error, max over the matrices, "
+              f"round-0 gradients): {s['ns_rel_err_vs_fp32']:.2e}.",
               f"Whole-matrix bytes a rank holds at once (bound, computed): "
               f"{s['whole_matrix_bytes_held_at_once_bound']}.", ""]
     return "\n".join(lines)
