@@ -11,7 +11,16 @@ from ragged._errors import GranularityError, PlacementError, PlanningError, Ragg
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
 from ragged._model_plan import plan_model
-from ragged._muon_roots import NS_COEFFS, NS_STEPS, assign_roots, muon_scale, newton_schulz_cost
+from ragged._muon_roots import (
+    NS_COEFFS,
+    NS_STEPS,
+    assign_roots,
+    bucket_holdings,
+    muon_scale,
+    newton_schulz_flops,
+    newton_schulz_load,
+    root_buckets,
+)
 from ragged._placement import RaggedShard
 from ragged._planner import plan
 from ragged._presets import (
@@ -56,6 +65,7 @@ __all__ = [
     "baseline_layouts",
     "BaselineLayout",
     "block_ids",
+    "bucket_holdings",
     "block_numel",
     "check_tiles_local",
     "Checkpoint",
@@ -74,7 +84,8 @@ __all__ = [
     "model_units",
     "ModelShapes",
     "muon_scale",
-    "newton_schulz_cost",
+    "newton_schulz_flops",
+    "newton_schulz_load",
     "padding_sweep",
     "parse_shapes",
     "Piece",
@@ -90,6 +101,7 @@ __all__ = [
     "RaggedShard",
     "read_shapes_file",
     "replicate_holdings",
+    "root_buckets",
     "run_sweep",
     "save_checkpoint",
     "shard_holdings",

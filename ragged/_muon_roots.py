@@ -1,9 +1,14 @@
-"""Which device runs Newton-Schulz for each matrix in distributed Muon (load balancing).
+"""Which device runs Newton-Schulz for each matrix in distributed Muon, what that costs, in what order.
 
 Muon orthogonalizes every matrix's momentum on one *root* device. The roots are chosen once, the same
-way on every device, by greedy largest-first assignment (LPT): matrices in decreasing cost, each to the
-least-loaded device so far, ties broken by the lower index, so the result is deterministic. LPT's
-makespan is at most the optimum plus the largest single cost.
+way on every device, by greedy largest-first assignment (LPT) over the exact Newton-Schulz FLOPs:
+matrices in decreasing cost, each to the least-loaded device so far, ties broken by the lower index, so
+the result is deterministic. LPT's makespan is at most the optimum plus the largest single cost.
+
+The overlapped schedule works in *buckets*: bucket ``j`` holds the ``j``-th matrix of every root, so in
+one bucket each device orthogonalizes at most one matrix while the others do the same, and a bucket's
+gathers (and scatters) are one exchange: the holdings of its matrices, concatenated
+(``bucket_holdings``), go through one ``ragged.transfers`` plan.
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
+
 from ragged._errors import PlanningError
+from ragged._redistribute import Holdings
 
 Shape = tuple[int, ...]
 
@@ -25,19 +33,23 @@ def muon_scale(shape: Shape) -> float:
     return max(1.0, shape[0] / shape[1]) ** 0.5
 
 
-def newton_schulz_cost(shape: Shape) -> int:
-    """Multiply-adds of one Newton-Schulz step on a matrix, up to a constant: ``rows * cols * min``."""
+def newton_schulz_flops(shape: Shape, steps: int = NS_STEPS) -> int:
+    """Matmul FLOPs of Newton-Schulz on a matrix (2 per multiply-add; the elementwise work is left out).
+
+    On the wide orientation ``X`` (``m x n``, ``m = min(shape) <= n``) each step computes ``A = X X^T``
+    (``2 m^2 n``), ``A A`` (``2 m^3``) and ``(b A + c A^2) X`` (``2 m^2 n``).
+    """
     if len(shape) != 2:
         raise PlanningError(f"Newton-Schulz runs on 2-D matrices, got shape {tuple(shape)}")
-    rows, cols = shape
-    return rows * cols * min(rows, cols)
+    m, n = min(shape), max(shape)
+    return steps * (4 * m * m * n + 2 * m ** 3)
 
 
 def assign_roots(costs: Sequence[int], world_size: int) -> tuple[int, ...]:
     """Greedy largest-first assignment of jobs to the least-loaded device.
 
     Args:
-        costs: one non-negative cost per matrix (e.g. ``newton_schulz_cost``), in parameter order.
+        costs: one non-negative cost per matrix (e.g. ``newton_schulz_flops``), in parameter order.
         world_size: the number of devices.
 
     Returns:
@@ -58,3 +70,47 @@ def assign_roots(costs: Sequence[int], world_size: int) -> tuple[int, ...]:
         roots[i] = rank
         heapq.heappush(loads, (load + costs[i], rank))
     return tuple(roots)
+
+
+def newton_schulz_load(shapes: Sequence[Shape], roots: Sequence[int], world_size: int) -> np.ndarray:
+    """Newton-Schulz FLOPs each device runs: ``out[d]`` sums ``newton_schulz_flops`` of its matrices.
+
+    Returns:
+        ``(world_size,)`` int64; ``out.max() / out.mean()`` is the load imbalance of the step.
+    """
+    if len(shapes) != len(roots):
+        raise PlanningError(f"newton_schulz_load: {len(shapes)} shapes but {len(roots)} roots")
+    out = np.zeros(world_size, np.int64)
+    for shape, root in zip(shapes, roots):
+        if not 0 <= root < world_size:
+            raise PlanningError(f"newton_schulz_load: root {root} is outside the {world_size} devices")
+        out[root] += newton_schulz_flops(tuple(shape))
+    return out
+
+
+def root_buckets(roots: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Matrix indices grouped so that bucket ``j`` holds the ``j``-th matrix (in order) of every root.
+
+    Every device is root of at most one matrix per bucket; the buckets are in order and each lists its
+    matrices in ascending index, so every device derives the same schedule.
+    """
+    seen: dict[int, int] = {}
+    buckets: list[list[int]] = []
+    for i, root in enumerate(roots):
+        j = seen.get(root, 0)
+        seen[root] = j + 1
+        if j == len(buckets):
+            buckets.append([])
+        buckets[j].append(i)
+    return tuple(tuple(b) for b in buckets)
+
+
+def bucket_holdings(parts: Sequence[Holdings], numels: Sequence[int]) -> Holdings:
+    """Holdings of the concatenation of several tensors' flat storages (tensor ``k`` shifted by the
+    numels before it). A device's local buffer for them is its local pieces concatenated in order."""
+    if len(parts) != len(numels) or len({len(p) for p in parts}) > 1:
+        raise PlanningError("bucket_holdings: one holdings per tensor, all over the same devices")
+    world = len(parts[0]) if parts else 0
+    bases = np.cumsum([0, *numels[:-1]]).tolist() if numels else []
+    return tuple(tuple((base + a, base + b) for part, base in zip(parts, bases) for a, b in part[d])
+                 for d in range(world))

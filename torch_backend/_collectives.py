@@ -1,4 +1,4 @@
-"""Stateless whole-buffer collectives: one all-gather, one reduce-scatter, one all-reduce per call.
+"""Stateless whole-buffer collectives: one all-gather, reduce-scatter, all-reduce or all-to-all per call.
 
 The DBuffer's local shard is the all-gather input and the reduce-scatter output as it is, so nothing here
 packs or unpacks: each function is one ``torch.distributed`` call on a flat buffer (compare FSDP2's
@@ -98,3 +98,11 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, unit: str) -> 
     """Sum ``tensor`` in place over ``group`` (HSDP: across replicas, after the reduce-scatter)."""
     return _issue("all_reduce", unit, group, tensor,
                   lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+               group: dist.ProcessGroup, *, unit: str) -> Pending:
+    """Send ``inp``'s ``in_splits[d]`` elements to rank ``d``; receive ``out_splits[s]`` from rank ``s``
+    into ``out`` (rank-major). ``unit`` names what moves (a redistribution, a Muon bucket)."""
+    return _issue("all_to_all", unit, group, out,
+                  lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True))

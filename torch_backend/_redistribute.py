@@ -15,7 +15,7 @@ box's row-major storage. With a 1-D mesh the box is the whole tensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 import ragged
+from torch_backend._collectives import all_to_all, side_stream
 from torch_backend._placement import RaggedShard
 
 Shape = tuple[int, ...]
@@ -163,29 +164,56 @@ def _all_to_all(
     rank: int,
     world: int,
 ) -> torch.Tensor:
+    return start_all_to_all(flat, plan, out_numel, group, rank, world)()
+
+
+def start_all_to_all(
+    flat: torch.Tensor,
+    plan: Sequence[ragged.Transfer],
+    out_numel: int,
+    group: dist.ProcessGroup,
+    rank: int,
+    world: int,
+    *,
+    stream: torch.cuda.Stream | None = None,
+    what: str = "redistribute",
+) -> Callable[[], torch.Tensor]:
+    """Issue ``plan`` as one asynchronous ``all_to_all_single``; calling the result finishes it.
+
+    Pieces that stay on this device are copied now; the finisher waits for the exchange, unpacks what
+    arrived and returns the local output (``out_numel`` elements). On CUDA with ``stream`` the packing and
+    the exchange run on that stream after the current stream's work, and finishing makes the then current
+    stream wait for them (``side_stream``); on CPU the exchange runs on the backend's own thread.
+    """
     out = flat.new_empty(out_numel)
     for t in plan:
         if t.src == rank and t.dst == rank:
             out[t.dst_offset : t.dst_offset + t.length] = flat[t.src_offset : t.src_offset + t.length]
     if all(t.src == t.dst for t in plan):
-        return out  # every rank sees the same plan, so every rank skips the collective
+        return lambda: out  # every rank sees the same plan, so every rank skips the collective
     # Both sides walk the same sorted plan, so pieces between one pair arrive in the order they left.
     sends = [t for t in plan if t.src == rank and t.dst != rank]
     recvs = [t for t in plan if t.dst == rank and t.src != rank]
     in_splits = [sum(t.length for t in sends if t.dst == d) for d in range(world)]
     out_splits = [sum(t.length for t in recvs if t.src == s) for s in range(world)]
-    send_buf = (
-        torch.cat([flat[t.src_offset : t.src_offset + t.length] for t in sorted(sends, key=_by_dst)])
-        if sends
-        else flat.new_empty(0)
-    )
-    recv_buf = flat.new_empty(sum(out_splits))
-    dist.all_to_all_single(recv_buf, send_buf, out_splits, in_splits, group=group)
-    pos = 0
-    for t in sorted(recvs, key=_by_src):
-        out[t.dst_offset : t.dst_offset + t.length] = recv_buf[pos : pos + t.length]
-        pos += t.length
-    return out
+    with side_stream(stream):
+        send_buf = (
+            torch.cat([flat[t.src_offset : t.src_offset + t.length] for t in sorted(sends, key=_by_dst)])
+            if sends
+            else flat.new_empty(0)
+        )
+        recv_buf = flat.new_empty(sum(out_splits))
+        pending = all_to_all(recv_buf, send_buf, out_splits, in_splits, group, unit=what)
+
+    def finish() -> torch.Tensor:
+        pending.wait()
+        pos = 0
+        for t in sorted(recvs, key=_by_src):
+            out[t.dst_offset : t.dst_offset + t.length] = recv_buf[pos : pos + t.length]
+            pos += t.length
+        return out
+
+    return finish
 
 
 def _by_dst(t: ragged.Transfer) -> tuple[int, int]:

@@ -8,8 +8,9 @@ learning rate for 2-D leaves and uses AdamW for the others.
 Distributed (``plan=muon_plan(layouts, axis)``): the leaves are FSDP unit shards ``(S,)`` inside
 ``shard_map``. Momentum runs on the local shard; each matrix is gathered to its load-balanced root
 (``ragged.assign_roots``) with ``gather_tensor(..., root=r)``, orthogonalized under ``lax.cond`` on the root
-only, and written back to every device's piece with ``scatter_tensor(..., root=r)``. Elements of tensors
-that are not 2-D get AdamW through a static per-device mask.
+only, and written back to every device's piece with ``scatter_tensor(..., root=r)``. The plan's windows
+(``in_flight`` root buckets) issue their gathers before their Newton-Schulz and scatters after, so XLA can
+overlap them. Elements of tensors that are not 2-D get AdamW through a static per-device mask.
 """
 
 from __future__ import annotations
@@ -66,6 +67,18 @@ class MuonPlan:
     axis: str
     matrices: dict[str, tuple[MuonMatrix, ...]]
     pieces: dict[str, tuple[np.ndarray, np.ndarray]]
+    in_flight: int | None = 2
+
+    def windows(self) -> tuple[tuple[tuple[str, MuonMatrix], ...], ...]:
+        """The schedule: ``(unit, matrix)`` groups whose gathers are issued together, then their
+        Newton-Schulz, then their scatters; ``in_flight`` root buckets per group (``ragged.root_buckets``),
+        or one matrix per group when ``in_flight`` is ``None`` (sequential)."""
+        found = [(unit, m) for unit, ms in self.matrices.items() for m in ms]
+        if self.in_flight is None:
+            return tuple((f,) for f in found)
+        buckets = ragged.root_buckets([m.root for _, m in found])
+        return tuple(tuple(found[i] for b in buckets[j:j + self.in_flight] for i in b)
+                     for j in range(0, len(buckets), self.in_flight))
 
     def mask(self, unit: str) -> jax.Array:
         """True where this device's shard element of ``unit`` belongs to a 2-D tensor (inside shard_map)."""
@@ -74,12 +87,20 @@ class MuonPlan:
         return piece_of(offset, length, size)[2]
 
 
-def muon_plan(layouts: Sequence[Layout], axis: str) -> MuonPlan:
-    """Roots for every 2-D tensor of ``layouts`` (greedy largest-first over Newton-Schulz cost) and pieces."""
+def muon_plan(layouts: Sequence[Layout], axis: str, *, in_flight: int | None = 2) -> MuonPlan:
+    """Roots for every 2-D tensor of ``layouts`` (greedy largest-first over Newton-Schulz FLOPs), pieces,
+    and the schedule: ``in_flight`` root buckets gathered together and overlapped by XLA with their
+    Newton-Schulz (``None``: one matrix after another; both give the same bits).
+
+    Raises:
+        ValueError: ``in_flight < 1``.
+    """
+    if in_flight is not None and in_flight < 1:
+        raise ValueError(f"muon_plan: in_flight={in_flight} must be >= 1 (or None for sequential)")
     layouts = tuple(layouts)
     world = layouts[0].world_size if layouts else 1
     found = [(lay.name, t) for lay in layouts for t in lay.tensors if len(t.shape) == 2]
-    roots = ragged.assign_roots([ragged.newton_schulz_cost(t.shape) for _, t in found], world)
+    roots = ragged.assign_roots([ragged.newton_schulz_flops(t.shape) for _, t in found], world)
     matrices = {lay.name: tuple(MuonMatrix(t.name, t.shape, r) for (u, t), r in zip(found, roots)
                                 if u == lay.name) for lay in layouts}
     pieces = {}
@@ -90,7 +111,7 @@ def muon_plan(layouts: Sequence[Layout], axis: str) -> MuonPlan:
         most = max(1, max(len(r) for r in rows))
         table = np.array([r + [(lay.shard_size, 0)] * (most - len(r)) for r in rows], np.int32)
         pieces[lay.name] = (table[:, :, 0], table[:, :, 1])
-    return MuonPlan(layouts, axis, matrices, pieces)
+    return MuonPlan(layouts, axis, matrices, pieces, in_flight)
 
 
 class ScaleByMuonState(NamedTuple):
@@ -99,15 +120,25 @@ class ScaleByMuonState(NamedTuple):
     momentum: Any
 
 
-def _orthogonalize_unit(update: jax.Array, layout: Layout, plan: MuonPlan) -> jax.Array:
-    """Newton-Schulz of every matrix of one unit shard, each on its root; other elements become 0."""
-    out = jnp.zeros_like(update)
+def _orthogonalize_shards(updates: dict[str, jax.Array], plan: MuonPlan) -> dict[str, jax.Array]:
+    """Newton-Schulz of every matrix of the unit shards, each on its root; other elements become 0.
+
+    One window at a time (``plan.windows()``): all its gathers, then its Newton-Schulz under
+    ``lax.cond(root)``, then its scatters, inside one jitted step so XLA can overlap them. An
+    ``optimization_barrier`` after each window keeps the next window's gathers behind it, so a device
+    holds at most one window of whole matrices.
+    """
+    by_unit = {lay.name: lay for lay in plan.layouts}
+    outs = {k: jnp.zeros_like(u) for k, u in updates.items()}
     rank = lax.axis_index(plan.axis)
-    for m in plan.matrices[layout.name]:
-        whole = gather_tensor(update, layout, m.name, plan.axis, root=m.root)  # zeros off the root
-        ortho = lax.cond(rank == m.root, newton_schulz, jnp.zeros_like, whole) * ragged.muon_scale(m.shape)
-        out = scatter_tensor(ortho, out, layout, m.name, plan.axis, root=m.root)
-    return out
+    for window in plan.windows():
+        wholes = [gather_tensor(updates[u], by_unit[u], m.name, plan.axis, root=m.root) for u, m in window]
+        orthos = [lax.cond(rank == m.root, newton_schulz, jnp.zeros_like, w) * ragged.muon_scale(m.shape)
+                  for (_, m), w in zip(window, wholes)]  # zeros off the root
+        for (u, m), o in zip(window, orthos):
+            outs[u] = scatter_tensor(o, outs[u], by_unit[u], m.name, plan.axis, root=m.root)
+        outs, updates = lax.optimization_barrier((outs, updates))
+    return outs
 
 
 def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, *,
@@ -138,8 +169,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, *,
             _check_matrices(updates)
             ortho = jax.tree.map(lambda u: newton_schulz(u) * ragged.muon_scale(u.shape), direction)
         else:
-            by_unit = {lay.name: lay for lay in plan.layouts}
-            ortho = {k: _orthogonalize_unit(u, by_unit[k], plan) for k, u in direction.items()}
+            ortho = _orthogonalize_shards(direction, plan)
         return jax.tree.map(lambda o, g: o.astype(g.dtype), ortho, updates), ScaleByMuonState(buf)
 
     return optax.GradientTransformation(init_fn, update_fn)

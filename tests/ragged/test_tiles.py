@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ragged
-from ragged._muon_roots import assign_roots, newton_schulz_cost
+from ragged._muon_roots import assign_roots, newton_schulz_flops
 from ragged._tiles import (
     TileError,
     block_ids,
@@ -130,8 +130,8 @@ def test_assign_roots_is_within_the_largest_cost_of_the_optimum(seed):
 
 def test_assign_roots_largest_first_to_least_loaded():
     assert assign_roots([5, 9, 5, 1], 2) == (1, 0, 1, 0)  # 9->0, 5->1, 5->1, 1->0
-    assert assign_roots([newton_schulz_cost((64, 32)), newton_schulz_cost((32, 32))], 3) == (0, 1)
+    assert assign_roots([newton_schulz_flops((64, 32)), newton_schulz_flops((32, 32))], 3) == (0, 1)
     with pytest.raises(ragged.PlanningError, match="world_size"):
         assign_roots([1], 0)
     with pytest.raises(ragged.PlanningError, match="2-D"):
-        newton_schulz_cost((4, 4, 4))
+        newton_schulz_flops((4, 4, 4))

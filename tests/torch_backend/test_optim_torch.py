@@ -320,16 +320,19 @@ def checks(rank: int, world: int) -> dict:
         return live
 
     def muon_counts() -> None:
-        live = placed(MUON_SPECS)
-        opt = _muon(list(live.items()))
-        with CommDebugMode() as comm:
-            opt.step()
-        counts = {str(op): n for op, n in comm.get_comm_counts().items()}
-        matrices = sum(p.ndim == 2 for p in live.values())
-        assert counts == {"c10d.alltoall_base_": 2 * matrices}, counts  # one gather + one scatter each
-        roots = sorted(opt.root(p) for p in live.values() if p.ndim == 2)
-        assert roots == sorted(ragged.assign_roots(
-            [ragged.newton_schulz_cost(tuple(p.shape)) for p in live.values() if p.ndim == 2], world))
+        matrices = sum(len(s) == 2 for _, s, _ in MUON_SPECS)
+        for overlap in (False, True):
+            live = placed(MUON_SPECS)
+            opt = Muon(list(live.items()), lr=0.02, overlap=overlap)
+            with CommDebugMode() as comm:
+                opt.step()
+            counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+            roots = [opt.root(p) for p in live.values() if p.ndim == 2]
+            # sequential: one gather + one scatter per matrix; overlapped: one of each per root bucket
+            exchanges = matrices if not overlap else len(ragged.root_buckets(roots))
+            assert counts == {"c10d.alltoall_base_": 2 * exchanges}, (overlap, counts)
+        assert sorted(roots) == sorted(ragged.assign_roots(
+            [ragged.newton_schulz_flops(tuple(p.shape)) for p in live.values() if p.ndim == 2], world))
         assert len(set(roots)) == min(world, matrices)  # spread over the devices
 
     def adam8bit_counts() -> None:
@@ -344,7 +347,7 @@ def checks(rank: int, world: int) -> dict:
 _launch = Launcher(__file__)
 
 
-def test_distributed_muon_is_one_gather_and_one_scatter_per_matrix():
+def test_distributed_muon_is_one_gather_and_one_scatter_per_matrix_or_per_bucket():
     assert_case(_launch(3), "muon_counts")
 
 

@@ -1,11 +1,19 @@
 """Distributed Muon (veScale-FSDP Algorithm 2) on RaggedShard DTensors, AdamW for the other parameters.
 
-For each 2-D parameter: the momentum update runs on the local shard; the (Nesterov) momentum is
-redistributed to ``RaggedShard.whole_on(root)`` (one gather), Newton-Schulz orthogonalizes it on the root
-only (the other devices hold nothing and skip it), and the result is redistributed back to the
-parameter's placement (one scatter) and applied. Roots are chosen once by the core's load balancing
-(``ragged.assign_roots`` over ``ragged.newton_schulz_cost``), the same way on every device. Plain tensors
-(single process) and replicated DTensors run Newton-Schulz locally.
+For each 2-D parameter: the momentum update runs on the local shard; the (Nesterov) momentum goes to
+``RaggedShard.whole_on(root)`` (a gather), Newton-Schulz orthogonalizes it on the root only (the other
+devices hold nothing and skip it), and the result goes back to the parameter's placement (a scatter)
+and is applied. Roots are chosen once by the core's load balancing (``ragged.assign_roots`` over
+``ragged.newton_schulz_flops``), the same way on every device. Plain tensors (single process) and
+replicated DTensors run Newton-Schulz locally.
+
+Two schedules give the same bits. Sequential (``overlap=False``): each matrix is gathered,
+orthogonalized and scattered in turn (two ``DTensor.redistribute`` calls). Overlapped (default): the
+matrices go in the core's root buckets (``ragged.root_buckets``: the ``j``-th matrix of every root),
+each bucket's gathers are one asynchronous ``all_to_all`` (the core's plan over the concatenated
+holdings, ``ragged.bucket_holdings``), and so are its scatters; while a device orthogonalizes its matrix
+of bucket ``j``, the gathers of the next ``in_flight`` buckets and the scatters of the last ``in_flight``
+are in flight (on CUDA on a side stream of the parameter's device; on CPU on the backend's thread).
 
 The update is scaled by ``sqrt(max(1, rows / cols))`` (Keller Jordan's shape rule, so that tall matrices
 get the same per-row step). Weight decay is decoupled. Parameters that are not 2-D use AdamW with
@@ -14,7 +22,9 @@ fp32 state (``adamw_lr``, ``adamw_betas``, ``adamw_eps``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,20 +32,24 @@ from torch.distributed.tensor import DTensor
 
 import ragged
 from torch_backend._placement import RaggedShard
+from torch_backend._redistribute import start_all_to_all
 from torch_backend.optim._adam8bit import adam_direction
 from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
 
+Finish = Callable[[], torch.Tensor]  # waits for an issued exchange and returns what arrived
 
-def newton_schulz(g: torch.Tensor, steps: int = ragged.NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
-    """Approximately orthogonalize a matrix: 5 quintic steps on ``X / ||X||_F`` (fp32).
+def newton_schulz(g: torch.Tensor, steps: int = ragged.NS_STEPS, eps: float = 1e-7,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Approximately orthogonalize a matrix: 5 quintic steps on ``X / ||X||_F``, computed in ``dtype``.
 
     Each step maps the singular values by ``p(s) = a s + b s^3 + c s^5`` (``ragged.NS_COEFFS``) and keeps
     the singular vectors, so the result is ``U p^steps(S / ||G||_F) V^T``: close to the polar factor
     ``U V^T``, with singular values in roughly [0.7, 1.2]. Works on the wide orientation (transposed when
-    rows > cols) so ``X X^T`` is the smaller Gram matrix.
+    rows > cols) so ``X X^T`` is the smaller Gram matrix. Returns fp32 (bf16 ``dtype`` halves the
+    matmul cost on accelerators at a stated tolerance, see docs/optimizers.md).
     """
     a, b, c = ragged.NS_COEFFS
-    x = g.float()
+    x = g.to(dtype)
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
@@ -43,27 +57,61 @@ def newton_schulz(g: torch.Tensor, steps: int = ragged.NS_STEPS, eps: float = 1e
     for _ in range(steps):
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
+    return (x.T if tall else x).float()
 
 
-def orthogonalize(update: torch.Tensor, p: torch.Tensor, root: int) -> torch.Tensor:
+def orthogonalize(update: torch.Tensor, p: torch.Tensor, root: int,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Newton-Schulz of the whole matrix ``p`` from the local flat slice ``update``; returns the local slice.
 
     A RaggedShard DTensor goes to ``root`` and back (two redistributions); anything else is whole here.
     """
-    if not (isinstance(p, DTensor) and any(isinstance(q, RaggedShard) for q in p.placements)):
-        return newton_schulz(update.view(p.shape)).reshape(-1)
+    if _ragged_dim(p) is None:
+        return newton_schulz(update.view(p.shape), dtype=dtype).reshape(-1)
     mesh, placements = p.device_mesh, p.placements
-    dim = next(i for i, q in enumerate(placements) if isinstance(q, RaggedShard))
     on_root = list(placements)
-    on_root[dim] = RaggedShard.whole_on(root, mesh.size(dim))
+    on_root[_ragged_dim(p)] = RaggedShard.whole_on(root, mesh.size(_ragged_dim(p)))
     # run_check=False: both locals are cut from the layout here, so skip from_local's size all_gather.
     sharded = DTensor.from_local(update, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
     whole = sharded.redistribute(mesh, on_root).to_local()  # the full matrix on root, empty elsewhere
     if whole.numel():
-        whole = newton_schulz(whole.view(p.shape)).reshape(-1)
+        whole = newton_schulz(whole.view(p.shape), dtype=dtype).reshape(-1)
     back = DTensor.from_local(whole, mesh, on_root, run_check=False, shape=p.shape, stride=p.stride())
     return back.redistribute(mesh, placements).to_local()
+
+
+class _Bucket:
+    """One root bucket of matrices on one mesh dim: the core's gather plan over their concatenated
+    holdings (local slices in, this device's whole matrices out) and the scatter plan back."""
+
+    def __init__(self, params: list[torch.Tensor], roots: list[int]) -> None:
+        dim = _ragged_dim(params[0])
+        mesh = params[0].device_mesh
+        self.group, self.rank, self.world = mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim)
+        shapes = [tuple(q.shape) for q in params]
+        placements = [q.placements[dim].core for q in params]
+        numels = [math.prod(s) for s in shapes]
+        pieces = ragged.bucket_holdings([ragged.ragged_holdings(q, s) for q, s in zip(placements, shapes)],
+                                        numels)
+        whole = ragged.bucket_holdings([ragged.ragged_holdings(ragged.RaggedShard.whole_on(r, self.world), s)
+                                        for r, s in zip(roots, shapes)], numels)
+        self.gather_plan, self.scatter_plan = ragged.transfers(pieces, whole), ragged.transfers(whole, pieces)
+        self.local_numels = [q.local_numel(s, self.rank) for q, s in zip(placements, shapes)]
+        mine = [k for k, r in enumerate(roots) if r == self.rank]
+        self.mine = mine[0] if mine else None  # a bucket holds at most one matrix per root
+        self.whole_numel = numels[self.mine] if mine else 0
+
+    def gather(self, updates: list[torch.Tensor], stream: torch.cuda.Stream | None) -> Finish:
+        """Start moving the local slices ``updates`` to their roots; finishing gives this root's matrix."""
+        return start_all_to_all(torch.cat(updates), self.gather_plan, self.whole_numel, self.group, self.rank,
+                                self.world, stream=stream, what="muon gather")
+
+    def scatter(self, whole: torch.Tensor,
+                stream: torch.cuda.Stream | None) -> Callable[[], list[torch.Tensor]]:
+        """Start moving this root's result back; finishing gives the local slice of every matrix."""
+        finish = start_all_to_all(whole, self.scatter_plan, sum(self.local_numels), self.group, self.rank,
+                                  self.world, stream=stream, what="muon scatter")
+        return lambda: list(finish().split(self.local_numels))
 
 
 class Muon(ParamwiseOptimizer):
@@ -74,10 +122,16 @@ class Muon(ParamwiseOptimizer):
         lr: Muon's learning rate; momentum: its momentum; nesterov: use the Nesterov update.
         weight_decay: decoupled weight decay for every parameter.
         adamw_lr, adamw_betas, adamw_eps: AdamW for parameters that are not 2-D.
+        overlap: bucket the matrices by root and overlap their gathers and scatters with Newton-Schulz
+            (``False``: one matrix after another; both give the same bits).
+        in_flight: buckets whose gathers (and, separately, scatters) may be in flight while a device
+            orthogonalizes; a device then holds at most ``2 * in_flight + 1`` whole matrices.
+        ns_dtype: the dtype Newton-Schulz computes in (``torch.bfloat16`` for the fast path).
 
     Raises:
         ragged.PlacementError: a DTensor placement other than RaggedShard / Replicate, or matrices sharded
             over mesh dims of different sizes.
+        ValueError: ``in_flight < 1``.
 
     Example:
         >>> opt = Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-4)
@@ -85,9 +139,13 @@ class Muon(ParamwiseOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, adamw_lr: float = 3e-4,
-                 adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8) -> None:
+                 adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8, *,
+                 overlap: bool = True, in_flight: int = 2, ns_dtype: torch.dtype = torch.float32) -> None:
+        if in_flight < 1:
+            raise ValueError(f"Muon: in_flight={in_flight} must be >= 1 (buckets in flight at once)")
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps))
+        self.overlap, self.in_flight, self.ns_dtype = overlap, in_flight, ns_dtype
         matrices = []
         for p, name, _ in named_params(self):
             local_slice(p, name)  # placement check, before any collective
@@ -100,26 +158,102 @@ class Muon(ParamwiseOptimizer):
                 "balanced over one mesh dim, use one sharding mesh size (or one optimizer per mesh)"
             )
         world = worlds[0] if worlds else 1
-        roots = ragged.assign_roots([ragged.newton_schulz_cost(tuple(p.shape)) for p in matrices], world)
+        roots = ragged.assign_roots([ragged.newton_schulz_flops(tuple(p.shape)) for p in matrices], world)
         self._roots = {id(p): r for p, r in zip(matrices, roots)}
+        self._buckets: dict[tuple, list[_Bucket]] = {}  # the plans of one set of matrices, built once
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def root(self, p: torch.Tensor) -> int:
         """The device that orthogonalizes 2-D parameter ``p``."""
         return self._roots[id(p)]
 
-    def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
-        (self._muon if p.ndim == 2 else self._adamw)(p, name, group)
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        matrices = []
+        for p, name, group in named_params(self):
+            if p.grad is None:
+                continue
+            if p.ndim == 2:
+                matrices.append((p, group, self._momentum(p, name, group)))
+            else:
+                self._adamw(p, name, group)
+        if not self.overlap:
+            for p, group, update in matrices:
+                self._apply(p, group, orthogonalize(update, p, self.root(p), self.ns_dtype))
+            return loss
+        sharded = []
+        for p, group, update in matrices:
+            if _ragged_dim(p) is None:
+                self._apply(p, group, newton_schulz(update.view(p.shape), dtype=self.ns_dtype).reshape(-1))
+            else:
+                sharded.append((p, group, update))
+        by_mesh: dict[tuple, list] = {}
+        for item in sharded:
+            by_mesh.setdefault((item[0].device_mesh, _ragged_dim(item[0])), []).append(item)
+        for items in by_mesh.values():
+            self._overlapped(items)
+        return loss
 
-    def _muon(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
-        local, _ = local_slice(p, name)
+    def _overlapped(self, items: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> None:
+        """Bucketed gathers, Newton-Schulz and scatters of matrices on one mesh dim, ``in_flight`` ahead."""
+        key = tuple(id(p) for p, _, _ in items)
+        if key not in self._buckets:
+            order = ragged.root_buckets([self.root(p) for p, _, _ in items])
+            self._buckets[key] = [(_Bucket([items[k][0] for k in b], [self.root(items[k][0]) for k in b]), b)
+                                  for b in order]
+        buckets = self._buckets[key]
+        stream = self._stream(items[0][2].device)
+        gathers: deque = deque()
+        scatters: deque = deque()
+
+        def start_gather(j: int) -> None:
+            bucket, members = buckets[j]
+            gathers.append(bucket.gather([items[k][2] for k in members], stream))
+
+        def finish_scatter() -> None:
+            members, finish = scatters.popleft()
+            for k, ortho in zip(members, finish()):
+                self._apply(items[k][0], items[k][1], ortho)
+
+        for j in range(min(self.in_flight, len(buckets))):
+            start_gather(j)
+        for j, (bucket, members) in enumerate(buckets):
+            whole = gathers.popleft()()
+            if j + self.in_flight < len(buckets):
+                start_gather(j + self.in_flight)
+            if bucket.mine is not None:
+                p = items[members[bucket.mine]][0]
+                whole = newton_schulz(whole.view(p.shape), dtype=self.ns_dtype).reshape(-1)
+            scatters.append((members, bucket.scatter(whole, stream)))
+            while len(scatters) > self.in_flight:
+                finish_scatter()
+        while scatters:
+            finish_scatter()
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The side stream of ``device`` for Muon's exchanges (``None`` on CPU)."""
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def _momentum(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> torch.Tensor:
+        """Update the momentum of ``p``'s local slice; return the (Nesterov) direction to orthogonalize."""
         grad, _ = local_slice(p.grad, name + ".grad")
         state = self.state[p]
         if not state:
-            state["momentum"] = torch.zeros_like(local, dtype=torch.float32)
+            state["momentum"] = torch.zeros_like(grad, dtype=torch.float32)
         buf, mu = state["momentum"], group["momentum"]
         buf.lerp_(grad.float(), 1 - mu)
-        update = torch.lerp(grad.float(), buf, mu) if group["nesterov"] else buf.clone()
-        ortho = orthogonalize(update, p, self.root(p))
+        return torch.lerp(grad.float(), buf, mu) if group["nesterov"] else buf.clone()
+
+    def _apply(self, p: torch.Tensor, group: dict[str, Any], ortho: torch.Tensor) -> None:
+        local, _ = local_slice(p, "param")
         local.mul_(1 - group["lr"] * group["weight_decay"])
         local.add_(ortho.to(local.dtype), alpha=-group["lr"] * ragged.muon_scale(tuple(p.shape)))
 
@@ -137,10 +271,14 @@ class Muon(ParamwiseOptimizer):
         local.add_(direction.to(local.dtype), alpha=-group["adamw_lr"])
 
 
+def _ragged_dim(p: torch.Tensor) -> int | None:
+    """The mesh dim that ragged-shards ``p`` (``None`` for plain or replicated tensors)."""
+    if isinstance(p, DTensor):
+        return next((i for i, q in enumerate(p.placements) if isinstance(q, RaggedShard)), None)
+    return None
+
+
 def _ragged_world(p: torch.Tensor) -> int:
     """Devices on the mesh dim that ragged-shards ``p`` (1 for plain or replicated tensors)."""
-    if isinstance(p, DTensor):
-        for i, q in enumerate(p.placements):
-            if isinstance(q, RaggedShard):
-                return p.device_mesh.size(i)
-    return 1
+    dim = _ragged_dim(p)
+    return 1 if dim is None else p.device_mesh.size(dim)
