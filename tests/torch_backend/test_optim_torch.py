@@ -275,10 +275,13 @@ def test_optimizers_on_fully_shard_units_match_single_process(make_opt, world):
                               granularity=lambda name, p: ragged.tile_granularity(tuple(p.shape)))
         return _fit(sharded, make_opt, x, y), {n: p.full_tensor() for n, p in sharded.named_parameters()}
 
+    # The reduce-scatter sums gradients in another order; for 8-bit Adam that last-ulp difference can move a
+    # moment across a rounding threshold of its codebook (one code step: at most a fraction of lr = 1e-2).
+    loss_rtol, atol = (1e-4, 2e-3) if make_opt is _adam8bit else (1e-5, 1e-6)
     for losses, params in run_threads(world, fn):
-        torch.testing.assert_close(losses, want, rtol=1e-5, atol=0)
+        torch.testing.assert_close(losses, want, rtol=loss_rtol, atol=0)
         for n, p in model.named_parameters():
-            torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+            torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=atol, msg=n)
     assert want[-1] < 0.7 * want[0]  # it trains
 
 
