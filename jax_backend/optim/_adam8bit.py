@@ -120,6 +120,16 @@ def dequantize(codes: jax.Array, scale: jax.Array, ids: jax.Array, book: Codeboo
     return jnp.asarray(book.values)[codes.astype(jnp.int32)] * scale[ids]
 
 
+def _product(x: jax.Array, factor: float) -> jax.Array:
+    """``x * factor``, rounded to float32 before the sum it feeds.
+
+    XLA contracts ``a * b + c`` into one fused multiply-add (rounded once) wherever its fusion allows, so
+    the last bit of a moment would depend on how each program happens to fuse; torch rounds every product.
+    A select cannot be contracted through (a NaN ``x`` gives NaN, as the product would).
+    """
+    return jnp.where(x == x, x * factor, x)
+
+
 # ----- the transform ---------------------------------------------------------------------------------
 class ScaleByAdam8bitState(NamedTuple):
     """State of ``scale_by_adam8bit``: per leaf, flat 8-bit codes and one fp32 scale per block."""
@@ -173,8 +183,8 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         def leaf(g, mq, ms, vq, vs, spec):
             ids, n = spec.ids(), spec.count
             grad = g.reshape(-1).astype(jnp.float32)
-            m = dequantize(mq, ms, ids, SIGNED) * b1 + grad * (1 - b1)
-            v = jnp.square(dequantize(vq, vs, ids, UNSIGNED)) * b2 + jnp.square(grad) * (1 - b2)
+            m = _product(dequantize(mq, ms, ids, SIGNED), b1) + _product(grad, 1 - b1)
+            v = _product(jnp.square(dequantize(vq, vs, ids, UNSIGNED)), b2) + _product(jnp.square(grad), 1 - b2)
             direction = (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
             return (direction.reshape(g.shape).astype(g.dtype), *quantize(m, ids, n, SIGNED),
                     *quantize(jnp.sqrt(v), ids, n, UNSIGNED))
