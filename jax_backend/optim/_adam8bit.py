@@ -184,7 +184,8 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             ids, n = spec.ids(), spec.count
             grad = g.reshape(-1).astype(jnp.float32)
             m = _product(dequantize(mq, ms, ids, SIGNED), b1) + _product(grad, 1 - b1)
-            v = _product(jnp.square(dequantize(vq, vs, ids, UNSIGNED)), b2) + _product(jnp.square(grad), 1 - b2)
+            v_old = jnp.square(dequantize(vq, vs, ids, UNSIGNED))
+            v = _product(v_old, b2) + _product(jnp.square(grad), 1 - b2)
             direction = (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
             return (direction.reshape(g.shape).astype(g.dtype), *quantize(m, ids, n, SIGNED),
                     *quantize(jnp.sqrt(v), ids, n, UNSIGNED))
