@@ -101,7 +101,7 @@ def adam_direction(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, step: i
                    betas: tuple[float, float], eps: float) -> torch.Tensor:
     """Update the fp32 moments in place; return Adam's direction ``m_hat / (sqrt(v_hat) + eps)``."""
     beta1, beta2 = betas
-    m.mul_(beta1).add_(grad * (1 - beta1))  # not add_(alpha=): that one is a fused multiply-add
+    m.mul_(beta1).add_(grad * (1 - beta1))  # each product rounded before the sum, as in the JAX transform
     v.mul_(beta2).add_(grad.square() * (1 - beta2))
     return (m / (1 - beta1**step)) / ((v / (1 - beta2**step)).sqrt_().add_(eps))
 
