@@ -208,16 +208,18 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-2])
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
+    parser.add_argument("--seed", type=int, default=1, help="seed of the training batches (the data order)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     t0 = time.perf_counter()
     text = stdlib_text()
     train_ids, val_ids = split(text)
-    train = batches(train_ids, args.steps, args.batch, args.seq, seed=1)
+    train = batches(train_ids, args.steps, args.batch, args.seq, seed=args.seed)
     val = batches(val_ids, 16, args.batch, args.seq, seed=2)
     summary = {"setup": dict(params=sum(p.numel() for p in Llama(CONFIG).parameters()), config=str(CONFIG),
                              corpus_bytes=len(text), python=sysconfig.get_python_version(), steps=args.steps,
-                             batch=args.batch, seq=args.seq, warmup=max(1, args.steps // 10), val_batches=16),
+                             batch=args.batch, seq=args.seq, seed=args.seed, warmup=max(1, args.steps // 10),
+                             val_batches=16),
                "runs": {}}
     jobs = [(tuple(args.optimizers), train, val, lr, max(1, args.steps // 5)) for lr in args.lrs]
     with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
