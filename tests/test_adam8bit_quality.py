@@ -16,7 +16,7 @@ from experiments.adam8bit_quality import batches, split, stdlib_text, train_lock
 from ragged import LlamaConfig
 
 TINY = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=128)
-MARGIN = 0.03  # validation loss at most 3% above fp32 AdamW's (measured: 1.6% below it)
+MARGIN = 0.03  # validation loss at most 3% above fp32 AdamW's (measured: 2.539 vs 2.530, +0.3%)
 
 
 def test_adam8bit_trains_a_byte_level_llama_on_real_text_like_fp32_adamw():
