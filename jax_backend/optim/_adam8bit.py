@@ -2,13 +2,16 @@
 
 Every element of every leaf belongs to one quantization block (``ragged.block_ids``): the 32x32 tiles of
 a matrix the tile divides, one row of another matrix, one element of a 1-D tensor (whose state so stays
-at full precision). Quantization is a segment reduction over those block ids:
+at full precision). Quantization uses the core's dynamic codebooks (``ragged._codebook``, the table the
+torch ``Adam8bit`` loads): one fp32 absmax scale per block (a segment max over the block ids) and a uint8
+code per element, the nearest entry of
 
-- first moment ``m``: int8 codes ``round(m * 127 / max|m|)`` per block, one fp32 scale per block;
-- second moment ``v``: uint8 codes ``round(sqrt(v) * 255 / max sqrt(v))``, ``v = (q * scale / 255) ** 2``.
+- ``SIGNED`` for the first moment ``m``;
+- ``UNSIGNED`` for ``sqrt(v)``, the square root of the second moment (``v = (entry * scale) ** 2``).
 
 Each step dequantizes, updates ``m`` and ``v`` in fp32, takes Adam's direction from the fp32 values and
-stores the requantized moments (the same scheme as ``torch_backend.optim.Adam8bit``).
+stores the requantized moments. The float32 operations on the moments are the torch optimizer's, in its
+order, so both stacks store the same codes from the same gradients (tested bit for bit).
 
 Blocks of a leaf come from its ``blocks`` entry: ``WholeBlocks`` (default: the leaf is a whole tensor) or
 ``ShardBlocks`` (the leaf is an FSDP unit's local shard inside ``shard_map``: the core's static
@@ -30,9 +33,10 @@ from jax import lax
 
 import ragged
 from ragged import Layout
+from ragged._codebook import SIGNED, UNSIGNED, Codebook
 
 Tile = tuple[int, int]
-_M_LEVELS, _V_LEVELS = 127.0, 255.0
+_ZERO_M = int(SIGNED.values.searchsorted(0.0))  # the code of 0 (UNSIGNED: code 0)
 
 
 # ----- which block each element belongs to ---------------------------------------------------------
@@ -104,26 +108,26 @@ def shard_blocks(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.TILE)
 
 
 # ----- quantization over block ids -------------------------------------------------------------------
-def _inverse(scale: jax.Array, levels: float) -> jax.Array:
-    return jnp.where(scale > 0, levels / jnp.where(scale > 0, scale, 1.0), 0.0)
+def quantize(x: jax.Array, ids: jax.Array, count: int, book: Codebook) -> tuple[jax.Array, jax.Array]:
+    """Flat fp32 values -> uint8 codes (nearest ``book`` entry of ``x / absmax``) and one scale per block."""
+    scale = jnp.maximum(jax.ops.segment_max(jnp.abs(x), ids, num_segments=count), 0.0)  # empty: -inf
+    unit = x / jnp.where(scale > 0, scale, 1.0)[ids]
+    return jnp.searchsorted(jnp.asarray(book.thresholds), unit, side="right").astype(jnp.uint8), scale
 
 
-def quantize(x: jax.Array, ids: jax.Array, count: int, *, signed: bool) -> tuple[jax.Array, jax.Array]:
-    """Flat fp32 values -> codes (int8 signed / uint8 of ``sqrt``) and one absmax scale per block."""
-    r = x if signed else jnp.sqrt(x)
-    scale = jax.ops.segment_max(jnp.abs(r), ids, num_segments=count)
-    scale = jnp.maximum(scale, 0.0)  # empty segments come back as -inf
-    levels = _M_LEVELS if signed else _V_LEVELS
-    q = jnp.round(r * _inverse(scale, levels)[ids])
-    if signed:
-        return jnp.clip(q, -127, 127).astype(jnp.int8), scale
-    return jnp.clip(q, 0, 255).astype(jnp.uint8), scale
+def dequantize(codes: jax.Array, scale: jax.Array, ids: jax.Array, book: Codebook) -> jax.Array:
+    """``book.values[codes] * scale`` per element's block."""
+    return jnp.asarray(book.values)[codes.astype(jnp.int32)] * scale[ids]
 
 
-def dequantize(q: jax.Array, scale: jax.Array, ids: jax.Array, *, signed: bool) -> jax.Array:
-    levels = _M_LEVELS if signed else _V_LEVELS
-    r = q.astype(jnp.float32) * (scale / levels)[ids]
-    return r if signed else jnp.square(r)
+def _product(x: jax.Array, factor: float) -> jax.Array:
+    """``x * factor``, rounded to float32 before the sum it feeds.
+
+    XLA contracts ``a * b + c`` into one fused multiply-add (rounded once) wherever its fusion allows, so
+    the last bit of a moment would depend on how each program happens to fuse; torch rounds every product.
+    A select cannot be contracted through (a NaN ``x`` gives NaN, as the product would).
+    """
+    return jnp.where(x == x, x * factor, x)
 
 
 # ----- the transform ---------------------------------------------------------------------------------
@@ -131,7 +135,7 @@ class ScaleByAdam8bitState(NamedTuple):
     """State of ``scale_by_adam8bit``: per leaf, flat 8-bit codes and one fp32 scale per block."""
 
     count: jax.Array  # () int32: steps taken
-    m_codes: Any  # per leaf (n,) int8
+    m_codes: Any  # per leaf (n,) uint8
     m_scale: Any  # per leaf (blocks,) fp32
     v_codes: Any  # per leaf (n,) uint8
     v_scale: Any  # per leaf (blocks,) fp32
@@ -165,10 +169,10 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
     def init_fn(params: Any) -> ScaleByAdam8bitState:
         specs = _blocks_for(params, blocks, tile)
-        codes = jax.tree.map(lambda p: jnp.zeros(p.size, jnp.int8), params)
+        m_codes = jax.tree.map(lambda p: jnp.full(p.size, _ZERO_M, jnp.uint8), params)
+        v_codes = jax.tree.map(lambda p: jnp.zeros(p.size, jnp.uint8), params)
         scales = jax.tree.map(lambda _, b: jnp.zeros(b.count, jnp.float32), params, specs)
-        return ScaleByAdam8bitState(jnp.zeros([], jnp.int32), codes, scales,
-                                    jax.tree.map(lambda c: c.astype(jnp.uint8), codes), scales)
+        return ScaleByAdam8bitState(jnp.zeros([], jnp.int32), m_codes, scales, v_codes, scales)
 
     def update_fn(updates: Any, state: ScaleByAdam8bitState, params: Any = None) -> tuple:
         del params
@@ -179,11 +183,12 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         def leaf(g, mq, ms, vq, vs, spec):
             ids, n = spec.ids(), spec.count
             grad = g.reshape(-1).astype(jnp.float32)
-            m = b1 * dequantize(mq, ms, ids, signed=True) + (1 - b1) * grad
-            v = b2 * dequantize(vq, vs, ids, signed=False) + (1 - b2) * jnp.square(grad)
+            m = _product(dequantize(mq, ms, ids, SIGNED), b1) + _product(grad, 1 - b1)
+            v_old = jnp.square(dequantize(vq, vs, ids, UNSIGNED))
+            v = _product(v_old, b2) + _product(jnp.square(grad), 1 - b2)
             direction = (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)
-            return (direction.reshape(g.shape).astype(g.dtype), *quantize(m, ids, n, signed=True),
-                    *quantize(v, ids, n, signed=False))
+            return (direction.reshape(g.shape).astype(g.dtype), *quantize(m, ids, n, SIGNED),
+                    *quantize(jnp.sqrt(v), ids, n, UNSIGNED))
 
         out = jax.tree.map(leaf, updates, state.m_codes, state.m_scale, state.v_codes, state.v_scale, specs)
         treedef = jax.tree.structure(updates)
