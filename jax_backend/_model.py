@@ -75,7 +75,8 @@ def _matches(path: str, pattern: str) -> bool:
 
 
 def _select_units(modules: Mapping[str, nnx.Module], units: Any) -> list[str]:
-    """Unit paths from patterns (``"layers.*"``, one segment per ``*``) or a predicate ``(path, module) -> bool``, in model order."""
+    """Unit paths from patterns (``"layers.*"``, one segment per ``*``) or a predicate
+    ``(path, module) -> bool``, in model order."""
     if callable(units):
         chosen = [p for p, m in modules.items() if p and units(p, m)]
         if not chosen:
@@ -299,8 +300,8 @@ class _FunctionModel:
             return type(node)(self._skeleton(v, join(i)) for i, v in enumerate(node))
         inner = [n for n in self.fqns if n.startswith(prefix + ".") and self.owner[n] != self.root]
         if inner:
-            raise UnitError(f"unit {self.owner[inner[0]]!r} lies inside a {type(node).__name__} at {prefix!r}; "
-                            "unit paths may only pass through dicts, lists and tuples")
+            raise UnitError(f"unit {self.owner[inner[0]]!r} lies inside a {type(node).__name__} at "
+                            f"{prefix!r}; unit paths may only pass through dicts, lists and tuples")
         return node
 
     def plan(self) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
@@ -372,7 +373,8 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any, params:
         wrapped: Any = _NnxModel(model, units, root)
     else:
         if params is None:
-            raise UnitError("a pure-function model needs its params pytree: shard_model(apply, mesh, params=...)")
+            raise UnitError("a pure-function model needs its params pytree: "
+                            "shard_model(apply, mesh, params=..., units=...)")
         if remat:
             raise UnitError("remat=True needs unit calls to re-run: use an NNX module (pure functions gather "
                             "each unit on first use and keep it for the backward)")
@@ -386,7 +388,7 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any, params:
     got = {lay.name: sorted(t.name for t in lay.tensors) for lay in layouts}
     if want != got:
         bad = sorted(u for u in set(want) | set(got) if want.get(u) != got.get(u))
-        raise LayoutMismatchError(f"layouts do not match the units at {bad[:3]}: the model's units own "
-                                  f"{[want.get(u) for u in bad[:1]]}, the layouts hold {[got.get(u) for u in bad[:1]]}")
+        raise LayoutMismatchError(f"layouts do not match the units at {bad[:3]}: unit {bad[0]!r} owns "
+                                  f"{want.get(bad[0])} in the model, {got.get(bad[0])} in the layouts")
     return FSDP(mesh, tuple(layouts), axis=axis, replica_axis=replica_axis, mp=mp or MixedPrecision(),
                 remat=remat, model=wrapped)

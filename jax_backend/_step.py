@@ -283,14 +283,14 @@ class FSDP:
         run = self.model.forward if self.model is not None else _stage_chain(self.stages)
         return run(Units(self, local), inputs)
 
-    def check_batch(self, *batches: Any) -> None:
+    def check_batch(self, batches: Any) -> None:
         """Raise ``LayoutMismatchError`` unless every batch leaf splits evenly over the data devices."""
         for path, leaf in jax.tree_util.tree_flatten_with_path(batches)[0]:
             rows = leaf.shape[0] if getattr(leaf, "ndim", 0) else None
             if rows is None or rows % self.data_size:
                 raise LayoutMismatchError(
-                    f"batch leaf {jax.tree_util.keystr(path)} has shape {getattr(leaf, 'shape', ())}: its dim 0 "
-                    f"must be divisible by the data-parallel size {self.data_size} (mesh axes "
+                    f"batch leaf {jax.tree_util.keystr(path)} has shape {getattr(leaf, 'shape', ())}: its "
+                    f"dim 0 must be divisible by the data-parallel size {self.data_size} (mesh axes "
                     f"{self.data_axes} = {[self.mesh.shape[a] for a in self.data_axes]})"
                 )
 
@@ -304,7 +304,8 @@ class FSDP:
         updates, opt_state = optimizer.update(grads, opt_state, local)
         return optax.apply_updates(local, updates), opt_state
 
-    def train_step(self, optimizer: optax.GradientTransformation, loss_fn: Callable[[Any, Any], Any]) -> Callable:
+    def train_step(self, optimizer: optax.GradientTransformation,
+                   loss_fn: Callable[[Any, Any], Any]) -> Callable:
         """A jitted ``step(buffers, opt_state, inputs, targets) -> (buffers, opt_state, loss[, aux])``.
 
         ``inputs`` and ``targets`` are global batches split on dim 0 over every device (replicas, then
@@ -335,7 +336,7 @@ class FSDP:
                             out_specs=(buffers, state, P(), P()))
 
         def step(buffers: dict, opt_state: Any, inputs: Any, targets: Any) -> tuple:
-            self.check_batch(inputs, targets)
+            self.check_batch({"inputs": inputs, "targets": targets})
             *out, aux = sharded(buffers, opt_state, inputs, targets)
             return (*out, aux) if aux is not None else tuple(out)
 
