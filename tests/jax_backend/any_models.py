@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_backend import flatten_params
 
@@ -103,15 +105,17 @@ def batches() -> np.ndarray:
     return np.random.default_rng(0).integers(0, VOCAB, size=(STEPS, BATCH, SEQ + 1)).astype(np.int32)
 
 
+def _with_aux(out):
+    return out if isinstance(out, tuple) else (out, None)
+
+
 def train_reference(apply, params, loss_fn, data) -> tuple[list[float], dict]:
     """Plain single-device training: ``jax.grad`` of ``loss_fn(apply(params, x), y)``, optax on the pytree."""
     opt = adamw()
 
     @jax.jit
     def step(p, s, x, y):
-        (loss, _), grads = jax.value_and_grad(
-            lambda q: (lambda o: o if isinstance(o, tuple) else (o, None))(loss_fn(apply(q, x), y)),
-            has_aux=True)(p)
+        (loss, _), grads = jax.value_and_grad(lambda q: _with_aux(loss_fn(apply(q, x), y)), has_aux=True)(p)
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
@@ -125,3 +129,33 @@ def train_reference(apply, params, loss_fn, data) -> tuple[list[float], dict]:
 def nnx_reference(model: nnx.Module, data) -> tuple[list[float], dict]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return train_reference(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, moe_loss, data)
+
+
+def gspmd_step(apply, params, loss_fn, mesh, opt):
+    """The GSPMD FSDP baseline: ``jit`` with each parameter's largest dim that the mesh divides sharded
+    (replicated when none does), the optimizer state sharded alike, the batch split over the devices.
+    Returns ``(jitted step, params, opt_state)``."""
+    n = mesh.size
+
+    def sharding(x):
+        dims = sorted((d for d in range(x.ndim) if x.shape[d] % n == 0), key=lambda d: -x.shape[d])
+        spec = [None] * x.ndim
+        if dims:
+            spec[dims[0]] = mesh.axis_names[0]
+        return NamedSharding(mesh, P(*spec))
+
+    shardings = jax.tree.map(sharding, params)
+    state_shardings = jax.tree.map(sharding, jax.eval_shape(opt.init, params))
+    params = jax.device_put(params, shardings)
+    state = jax.jit(opt.init, out_shardings=state_shardings)(params)
+
+    def step(p, s, x, y):
+        out = jax.value_and_grad(lambda q: _with_aux(loss_fn(apply(q, x), y)), has_aux=True)(p)
+        (loss, _), grads = out
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    data = NamedSharding(mesh, P(mesh.axis_names[0]))
+    jitted = jax.jit(step, in_shardings=(shardings, state_shardings, data, data),
+                     out_shardings=(shardings, state_shardings, NamedSharding(mesh, P())), donate_argnums=(0, 1))
+    return jitted, params, state
