@@ -157,5 +157,6 @@ def gspmd_step(apply, params, loss_fn, mesh, opt):
 
     data = NamedSharding(mesh, P(mesh.axis_names[0]))
     jitted = jax.jit(step, in_shardings=(shardings, state_shardings, data, data),
-                     out_shardings=(shardings, state_shardings, NamedSharding(mesh, P())), donate_argnums=(0, 1))
+                     out_shardings=(shardings, state_shardings, NamedSharding(mesh, P())),
+                     donate_argnums=(0, 1))
     return jitted, params, state
