@@ -1,8 +1,9 @@
 """The FSDP training step: per-unit all-gather, flax forward/backward, reduce-scatter, optax on local shards.
 
 Inside one ``shard_map`` every device holds, per unit, its contiguous shard of ``S`` elements. The forward
-walks the model as a chain of *stages*, one per unit: ``all_gather(shard, tiled=True)`` rebuilds the unit's
-flat buffer (in the compute dtype), static slices give its parameters, and the stage runs. The gather is a
+is the user's model (``shard_model``) or a chain of hand-written *stages*, one per unit; where a unit is
+used, ``all_gather(shard, tiled=True)`` rebuilds its flat buffer (in the compute dtype), static slices give
+its parameters, and its code runs (``Units``). The gather is a
 custom VJP whose backward is the unit's explicit ``psum_scatter(tiled=True)`` (in the reduce dtype),
 followed by a ``psum`` over the replica axis under HSDP, so each device ends with the gradient of exactly
 its own shard. The optax update then runs on the local shards: element-wise optimizers (Adam, AdamW, SGD)

@@ -74,13 +74,14 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
         granularity: ``(fqn, shape) -> granularity`` or one granularity for every matrix.
         mp: mixed precision; ``None`` computes and reduces in the master dtype.
         remat: re-gather each unit in the backward (keeps one unit unsharded at a time).
-        preset: the core preset whose units and tensor order are planned.
+        preset: the name of the core's units (``ragged.llama_shapes(preset, model.config)``), whose
+            tensor order is planned.
 
     Raises:
         LayoutMismatchError: the model's parameters differ from the preset's (named by FQN), or the mesh
             does not have the axes.
     """
-    units = ragged.model_shapes(preset).units
+    units = ragged.llama_shapes(preset, model.config).units
     params = model_params(model)
     planned = {name: shape for unit in units for name, shape in unit.tensors}
     for name, shape in planned.items():
