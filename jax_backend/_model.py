@@ -149,10 +149,13 @@ def _hooked_class(cls: type) -> type:
 
 
 def _submodule(model: Any, path: str) -> Any:
+    """The node at a dotted path: attributes, or items of lists (``nnx.List``) and dicts."""
     node = model
     for part in path.split("."):
-        node = node[int(part)] if isinstance(node, Sequence) or (
-            part.isdigit() and not hasattr(node, part)) else getattr(node, part)
+        if hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            node = node[int(part)] if part.isdigit() and isinstance(node, Sequence) else node[part]
     return node
 
 
