@@ -18,7 +18,7 @@ from jax_backend._buffers import (
 )
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend._compat import make_mesh, shard_map
-from jax_backend._model import UnitError, shard_model
+from jax_backend._model import UnitError, fully_shard, shard_model
 from jax_backend._redistribute import gather_tensor, scatter_tensor
 from jax_backend._step import FSDP, MixedPrecision, Stage, Units, gather_unit
 
@@ -33,6 +33,7 @@ __all__ = [
     "check_params",
     "flatten_params",
     "fqn",
+    "fully_shard",
     "gather_tensor",
     "gather_unit",
     "load_checkpoint",

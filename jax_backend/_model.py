@@ -18,6 +18,7 @@ are an error naming both.
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -74,10 +75,28 @@ def _matches(path: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
 
 
+_MARKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # by id: modules are not hashable
+
+
+def fully_shard(module: nnx.Module) -> nnx.Module:
+    """Mark ``module`` as an FSDP unit, as torch's ``fully_shard(block)`` does; ``shard_model(model, mesh)``
+    without ``units`` makes every marked submodule a unit. Returns ``module``.
+
+    The mark is on the module object: mark the modules of the model you pass to ``shard_model``.
+    """
+    _MARKED[id(module)] = module
+    return module
+
+
 def _select_units(modules: Mapping[str, nnx.Module], units: Any) -> list[str]:
-    """Unit paths from patterns (``"layers.*"``, one segment per ``*``) or a predicate
-    ``(path, module) -> bool``, in model order."""
-    if callable(units):
+    """Unit paths from patterns (``"layers.*"``, one segment per ``*``), a predicate
+    ``(path, module) -> bool``, or (``None``) the submodules marked by ``fully_shard``, in model order."""
+    if units is None:
+        chosen = [p for p, m in modules.items() if p and _MARKED.get(id(m)) is m]
+        if not chosen:
+            raise UnitError("no units: pass units= (paths or a predicate) or mark submodules with "
+                            "fully_shard")
+    elif callable(units):
         chosen = [p for p, m in modules.items() if p and units(p, m)]
         if not chosen:
             raise UnitError("the unit predicate matched no submodule")
@@ -339,7 +358,7 @@ class _FunctionModel:
 
 
 # ----- the entry point ----------------------------------------------------------------------------------
-def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any, params: Any = None,
+def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, params: Any = None,
                 axis: str = "fsdp", replica_axis: str | None = None,
                 granularity: GranularityFn | Granularity | int | str = "rows:1",
                 mp: MixedPrecision | None = None, remat: bool = False, root: str = "root",
@@ -357,9 +376,10 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any, params:
     Args:
         model: a flax NNX module, run by its own ``__call__(inputs)``; or ``apply(params, inputs)``.
         mesh: the device mesh; ``axis`` shards, ``replica_axis`` (HSDP) replicates.
-        units: NNX: submodule paths with ``fnmatch`` wildcards (``"layers.*"``) or a predicate
-            ``(path, module) -> bool``; pure functions: pytree path prefixes (``"layers.0"``). Every
-            parameter outside them forms the root unit, named ``root``.
+        units: NNX: submodule paths with ``fnmatch`` wildcards (``"layers.*"``), a predicate
+            ``(path, module) -> bool``, or ``None`` for the submodules marked with ``fully_shard``; pure
+            functions: pytree path prefixes (``"layers.0"``). Every parameter outside them forms the root
+            unit, named ``root``.
         params: the pure function's params pytree (arrays or ``jax.ShapeDtypeStruct``).
         granularity: ``(fqn, shape) -> granularity`` or one granularity for every matrix.
         mp: mixed precision; ``None`` computes and reduces in the master dtype.
@@ -381,6 +401,8 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any, params:
         if remat:
             raise UnitError("remat=True needs unit calls to re-run: use an NNX module (pure functions gather "
                             "each unit on first use and keep it for the backward)")
+        if units is None:
+            raise UnitError("a pure-function model needs units=: pytree path prefixes such as 'layers.0'")
         wrapped = _FunctionModel(model, params, units, root)
     check_mesh(mesh, (), axis, replica_axis)  # the axes must exist before the planner reads their size
     planned = wrapped.plan()

@@ -11,6 +11,7 @@ import pytest
 from any_models import (
     BLOCKS,
     MoE,
+    MoEBlock,
     adamw,
     batches,
     gspmd_step,
@@ -24,7 +25,7 @@ from any_models import (
 from flax import nnx
 from jax_reference import assert_params_close, rel_err
 
-from jax_backend import LayoutMismatchError, UnitError, flatten_params, make_mesh, shard_model
+from jax_backend import LayoutMismatchError, UnitError, flatten_params, fully_shard, make_mesh, shard_model
 
 MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 4: ((4,), ("fsdp",)), 8: ((8,), ("fsdp",)),
           "2x4": ((2, 4), ("replica", "fsdp"))}
@@ -69,13 +70,24 @@ def train(fsdp, params, loss_fn, data):
     return losses, {k: np.asarray(v) for k, v in fsdp.unshard(buffers).items()}, aux
 
 
-# The tied head is a unit of its own in half the runs (its table then stays in the root, read inside the
-# head's call), and remat alternates, so both ways of keeping units are trained at several sizes.
+def is_block(path: str, module: nnx.Module) -> bool:
+    return isinstance(module, MoEBlock)
+
+
+# The units are named in each of the three ways (paths, a predicate, fully_shard marks); the tied head is
+# a unit of its own in some runs (its table then stays in the root, read inside the head's call); remat
+# alternates, so both ways of keeping units are trained at several sizes.
 @pytest.mark.parametrize("mesh_key, units, remat", [
-    (1, "blocks.*", False), (3, ["blocks.*", "head"], True), (4, ["blocks.*", "head"], False),
-    (8, "blocks.*", True), ("2x4", ["blocks.*", "head"], True)])
+    (1, "blocks.*", False), (3, ["blocks.*", "head"], True), (4, "fully_shard", False),
+    (8, is_block, True), ("2x4", ["blocks.*", "head"], True)])
 def test_nnx_moe_matches_single_device(moe, data, moe_reference, mesh_key, units, remat):
+    if units == "fully_shard":  # a fresh model (same seed), its blocks and head marked as torch users do
+        moe, units = MoE(nnx.Rngs(0)), None
+        for block in moe.blocks:
+            fully_shard(block)
+        fully_shard(moe.head)
     fsdp = shard(moe, mesh_key, units=units, remat=remat)
+    assert len(fsdp.layouts) == 1 + BLOCKS + (units != "blocks.*" and units is not is_block)
     assert "embed.embedding" in [t.name for t in fsdp.layouts[0].tensors]  # the tied table: root
     losses, params, (aux,) = train(fsdp, moe, moe_loss, data)
     ref_losses, ref_params = moe_reference
@@ -154,6 +166,8 @@ class ReadsAnotherUnit(MoE):
 def test_errors_name_the_unit_path_and_size(moe, data):
     with pytest.raises(UnitError, match=r"unit path 'block\.\*' matches no submodule"):
         shard(moe, 4, units="block.*")
+    with pytest.raises(UnitError, match=r"no units: pass units="):
+        shard(moe, 4)
     with pytest.raises(UnitError, match=r"'embed.embedding' is used by units 'embed' and 'head'"):
         shard(moe, 4, units=["embed", "head"])
     with pytest.raises(UnitError, match=r"unit 'blocks.0.norm' is nested in unit 'blocks.0'"):
