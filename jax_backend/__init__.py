@@ -18,18 +18,22 @@ from jax_backend._buffers import (
 )
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend._compat import make_mesh, shard_map
+from jax_backend._model import UnitError, fully_shard, shard_model
 from jax_backend._redistribute import gather_tensor, scatter_tensor
-from jax_backend._step import FSDP, MixedPrecision, Stage, gather_unit
+from jax_backend._step import FSDP, MixedPrecision, Stage, Units, gather_unit
 
 __all__ = [
     "FSDP",
     "LayoutMismatchError",
     "MixedPrecision",
     "Stage",
+    "UnitError",
+    "Units",
     "check_mesh",
     "check_params",
     "flatten_params",
     "fqn",
+    "fully_shard",
     "gather_tensor",
     "gather_unit",
     "load_checkpoint",
@@ -40,6 +44,7 @@ __all__ = [
     "save_checkpoint",
     "scatter_tensor",
     "shard_map",
+    "shard_model",
     "shard_params",
     "unpack_unit",
     "unshard_params",

@@ -1,8 +1,9 @@
 """The FSDP training step: per-unit all-gather, flax forward/backward, reduce-scatter, optax on local shards.
 
 Inside one ``shard_map`` every device holds, per unit, its contiguous shard of ``S`` elements. The forward
-walks the model as a chain of *stages*, one per unit: ``all_gather(shard, tiled=True)`` rebuilds the unit's
-flat buffer (in the compute dtype), static slices give its parameters, and the stage runs. The gather is a
+is the user's model (``shard_model``) or a chain of hand-written *stages*, one per unit; where a unit is
+used, ``all_gather(shard, tiled=True)`` rebuilds its flat buffer (in the compute dtype), static slices give
+its parameters, and its code runs (``Units``). The gather is a
 custom VJP whose backward is the unit's explicit ``psum_scatter(tiled=True)`` (in the reduce dtype),
 followed by a ``psum`` over the replica axis under HSDP, so each device ends with the gradient of exactly
 its own shard. The optax update then runs on the local shards: element-wise optimizers (Adam, AdamW, SGD)
@@ -29,7 +30,16 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_backend._buffers import LayoutMismatchError, check_mesh, shard_params, unpack_unit, unshard_params
+from jax_backend._buffers import (
+    LayoutMismatchError,
+    buffer_sharding,
+    check_mesh,
+    flatten_params,
+    pack_unit,
+    shard_params,
+    unpack_unit,
+    unshard_params,
+)
 from jax_backend._compat import shard_map
 from ragged import Layout
 
@@ -116,18 +126,60 @@ def _resharded_bwd(apply: Callable, layout: Layout, comm: _Comm, res: tuple, gra
 run_resharded.defvjp(_resharded_fwd, _resharded_bwd)
 
 
+class Units:
+    """The unit buffers of one forward inside ``shard_map``: gathers a unit where it is used.
+
+    ``gather(unit)`` returns the unit's ``{fqn: array}`` (the all-gather's VJP reduce-scatters the
+    gradient); ``call(unit, apply, h)`` runs ``apply({fqn: array}, h)`` on the gathered unit, re-gathering
+    it in the backward when ``remat`` is set (then ``apply`` must read nothing but its arguments).
+    """
+
+    def __init__(self, fsdp: FSDP, local: Mapping[str, jax.Array]):
+        self.fsdp, self.local = fsdp, local
+        self.layouts = {lay.name: lay for lay in fsdp.layouts}
+
+    def _comm(self, unit: str) -> _Comm:
+        master, mp = self.local[unit].dtype, self.fsdp.mp
+        return _Comm(self.fsdp.axis, self.fsdp.replica_axis, mp.param_dtype or master,
+                     mp.reduce_dtype or master, master)
+
+    def gather(self, unit: str) -> dict[str, jax.Array]:
+        return unpack_unit(gather_unit(self.local[unit], self._comm(unit)), self.layouts[unit])
+
+    def call(self, unit: str, apply: Callable[[Mapping[str, jax.Array], Any], Any], h: Any) -> Any:
+        if self.fsdp.remat:
+            return run_resharded(apply, self.layouts[unit], self._comm(unit), self.local[unit], h)
+        return apply(self.gather(unit), h)
+
+
+def _stage_chain(stages: tuple[Stage, ...]) -> Callable[[Units, Any], Any]:
+    def forward(units: Units, inputs: Any) -> Any:
+        h = inputs
+        for stage in stages:
+            h = units.call(stage.unit, stage.apply, h)
+        return h
+
+    return forward
+
+
 @dataclass(frozen=True)
 class FSDP:
-    """A model's FSDP plan on a mesh: its units' Layouts, its forward as stages, and the mesh axes.
+    """A model's FSDP plan on a mesh: its units' Layouts, its forward, and the mesh axes.
+
+    Build it with ``shard_model`` (any flax NNX module or pure function); ``stages`` is the hand-written
+    alternative: the forward as a chain of one ``Stage`` per unit, in the Layouts' order.
 
     Args:
         mesh: the device mesh (``Auto`` axes; see ``make_mesh``).
         layouts: one core ``Layout`` per unit, planned for ``mesh.shape[axis]`` devices.
-        stages: the forward, one ``Stage`` per unit, in the Layouts' order.
+        stages: the forward, one ``Stage`` per unit, in the Layouts' order (when ``model`` is None).
         axis: the mesh axis the buffers are sharded over.
         replica_axis: for HSDP, the mesh axis the shards are replicated over (gradients all-reduced).
         mp: mixed precision (compute and reduce dtypes).
         remat: re-gather each unit in the backward instead of keeping it from the forward.
+        model: the user's model as ``shard_model`` wraps it: ``model.forward(units, inputs)`` runs it on
+            gathered units, ``model.tree`` is its parameter pytree (``jax.ShapeDtypeStruct`` leaves) and
+            ``model.fqns`` the FQN of each of its leaves, in flattening order (the Layouts' names).
 
     Raises:
         LayoutMismatchError: an axis not in the mesh, a world size the Layouts were not planned for, or
@@ -136,18 +188,19 @@ class FSDP:
 
     mesh: Mesh
     layouts: tuple[Layout, ...]
-    stages: tuple[Stage, ...]
+    stages: tuple[Stage, ...] = ()
     axis: str = "fsdp"
     replica_axis: str | None = None
     mp: MixedPrecision = field(default_factory=MixedPrecision)
     remat: bool = False
+    model: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layouts", tuple(self.layouts))
         object.__setattr__(self, "stages", tuple(self.stages))
         check_mesh(self.mesh, self.layouts, self.axis, self.replica_axis)
         units, stage_units = [lay.name for lay in self.layouts], [s.unit for s in self.stages]
-        if units != stage_units:
+        if self.model is None and units != stage_units:
             raise LayoutMismatchError(f"stages run units {stage_units}, but the layouts are {units}")
 
     # ----- layout of data over the mesh --------------------------------------------------------------
@@ -184,8 +237,13 @@ class FSDP:
         return jax.tree_util.tree_map_with_path(spec, jax.eval_shape(optimizer.init, local))
 
     # ----- buffers -----------------------------------------------------------------------------------
-    def shard(self, params: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """Full ``{fqn: array}`` -> sharded unit buffers (see ``shard_params``)."""
+    def shard(self, params: Any) -> dict[str, jax.Array]:
+        """Full parameters -> sharded unit buffers (see ``shard_params``).
+
+        ``params``: ``{fqn: array}``, or (with ``shard_model``) the NNX module or the params pytree.
+        """
+        if self.model is not None and not _is_fqn_dict(params, self.layouts):
+            params = self.model.flatten(params)
         return shard_params(params, self.layouts, self.mesh, self.axis)
 
     def unshard(self, buffers: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
@@ -198,45 +256,95 @@ class FSDP:
         init = shard_map(optimizer.init, self.mesh, in_specs=(self._buffer_specs(),), out_specs=specs)
         return jax.jit(init)(dict(buffers))
 
+    def unit_initializer(self, make: Callable[[], Any], unit: str) -> Callable[[], jax.Array]:
+        """A jitted ``() -> buffer`` of one unit, sharded like the buffers. ``make()`` (the model's
+        constructor or params init) runs inside it and XLA keeps only this unit's tensors (the others are
+        dead code), so no device holds more than this unit in full."""
+        layout = next(lay for lay in self.layouts if lay.name == unit)
+
+        def init() -> jax.Array:
+            made = make()
+            params = self.model.flatten(made) if self.model is not None else flatten_params(made)
+            return pack_unit({t.name: params[t.name] for t in layout.tensors}, layout)
+
+        return jax.jit(init, out_shardings=buffer_sharding(self.mesh, self.axis))
+
+    def init_params(self, make: Callable[[], Any]) -> dict[str, jax.Array]:
+        """Sharded init: ``{unit: buffer}`` from ``make()`` without the model ever existing in full.
+
+        ``make`` builds the model (``lambda: MyModel(rngs=nnx.Rngs(0))``) or the params pytree from a
+        seed; one jitted program per unit writes that unit's buffer, so the values are the unsharded
+        init's with the same seed on every device count.
+        """
+        return {lay.name: self.unit_initializer(make, lay.name)() for lay in self.layouts}
+
     # ----- the step ----------------------------------------------------------------------------------
     def forward(self, local: Mapping[str, jax.Array], inputs: Any) -> Any:
-        """Run the stages on local shards (inside ``shard_map``), gathering one unit at a time."""
-        h = inputs
-        for stage, layout in zip(self.stages, self.layouts):
-            master = local[layout.name].dtype
-            comm = _Comm(self.axis, self.replica_axis, self.mp.param_dtype or master,
-                         self.mp.reduce_dtype or master, master)
+        """Run the model on local shards (inside ``shard_map``), gathering each unit where it is used."""
+        run = self.model.forward if self.model is not None else _stage_chain(self.stages)
+        return run(Units(self, local), inputs)
 
-            if self.remat:
-                h = run_resharded(stage.apply, layout, comm, local[layout.name], h)
-            else:
-                h = stage.apply(unpack_unit(gather_unit(local[layout.name], comm), layout), h)
-        return h
+    def check_batch(self, batches: Any) -> None:
+        """Raise ``LayoutMismatchError`` unless every batch leaf splits evenly over the data devices."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(batches)[0]:
+            rows = leaf.shape[0] if getattr(leaf, "ndim", 0) else None
+            if rows is None or rows % self.data_size:
+                raise LayoutMismatchError(
+                    f"batch leaf {jax.tree_util.keystr(path)} has shape {getattr(leaf, 'shape', ())}: its "
+                    f"dim 0 must be divisible by the data-parallel size {self.data_size} (mesh axes "
+                    f"{self.data_axes} = {[self.mesh.shape[a] for a in self.data_axes]})"
+                )
+
+    def apply_optimizer(self, optimizer: optax.GradientTransformation, grads: dict, opt_state: Any,
+                        local: dict) -> tuple[dict, Any]:
+        """The optax update on the local shards ``{unit: (S,)}`` (inside ``shard_map``).
+
+        The seam for optimizers that need more than the flat shards: ``self.layouts`` (every tensor's
+        offset in its unit) and ``self.model.tree`` / ``self.model.fqns`` (the user's param pytree).
+        """
+        updates, opt_state = optimizer.update(grads, opt_state, local)
+        return optax.apply_updates(local, updates), opt_state
 
     def train_step(self, optimizer: optax.GradientTransformation,
-                   loss_fn: Callable[[Any, Any], jax.Array]) -> Callable:
-        """A jitted ``step(buffers, opt_state, inputs, targets) -> (buffers, opt_state, loss)``.
+                   loss_fn: Callable[[Any, Any], Any]) -> Callable:
+        """A jitted ``step(buffers, opt_state, inputs, targets) -> (buffers, opt_state, loss[, aux])``.
 
         ``inputs`` and ``targets`` are global batches split on dim 0 over every device (replicas, then
-        shards); ``loss_fn(outputs, targets)`` is a per-device mean, and the step minimises its mean over
-        devices (equal local batches make that the global mean). ``buffers`` and ``opt_state`` are donated.
+        shards); ``loss_fn(outputs, targets)`` returns a per-device mean loss, or ``(loss, aux)``, and the
+        step minimises its mean over devices (equal local batches make that the global mean); ``aux`` is
+        averaged over devices and returned as a fourth output. ``buffers`` and ``opt_state`` are donated.
 
         Raises:
-            LayoutMismatchError: optimizer state that is neither per-element nor scalar.
+            LayoutMismatchError: optimizer state that is neither per-element nor scalar; a batch whose
+                dim 0 the data-parallel size does not divide (when the step is traced).
         """
         n = self.data_size
 
         def local_step(local: dict, opt_state: Any, inputs: Any, targets: Any) -> tuple:
-            def local_loss(bufs: dict) -> jax.Array:
+            def local_loss(bufs: dict) -> tuple[jax.Array, Any]:
+                out = loss_fn(self.forward(bufs, inputs), targets)
+                loss, aux = out if isinstance(out, tuple) else (out, None)
                 # Pre-divide so that the psum_scatter of the gradients is the mean over devices.
-                return loss_fn(self.forward(bufs, inputs), targets) / n
+                return loss / n, aux
 
-            loss, grads = jax.value_and_grad(local_loss)(local)
-            updates, opt_state = optimizer.update(grads, opt_state, local)
-            return optax.apply_updates(local, updates), opt_state, lax.psum(loss, self.data_axes)
+            (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(local)
+            local, opt_state = self.apply_optimizer(optimizer, grads, opt_state, local)
+            aux = jax.tree.map(lambda a: lax.psum(a, self.data_axes) / n, aux)
+            return local, opt_state, lax.psum(loss, self.data_axes), aux
 
         buffers, state, batch = self._buffer_specs(), self._state_specs(optimizer), P(self.data_axes)
-        step = shard_map(local_step, self.mesh, in_specs=(buffers, state, batch, batch),
-                         out_specs=(buffers, state, P()))
+        sharded = shard_map(local_step, self.mesh, in_specs=(buffers, state, batch, batch),
+                            out_specs=(buffers, state, P(), P()))
+
+        def step(buffers: dict, opt_state: Any, inputs: Any, targets: Any) -> tuple:
+            self.check_batch({"inputs": inputs, "targets": targets})
+            *out, aux = sharded(buffers, opt_state, inputs, targets)
+            return (*out, aux) if aux is not None else tuple(out)
+
         return jax.jit(step, donate_argnums=(0, 1))
 
+
+def _is_fqn_dict(params: Any, layouts: tuple[Layout, ...]) -> bool:
+    names = {t.name for lay in layouts for t in lay.tensors}
+    return isinstance(params, Mapping) and bool(params) and all(isinstance(k, str) for k in params) and (
+        set(params) == names)

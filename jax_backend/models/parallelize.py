@@ -1,9 +1,10 @@
-"""Apply ragged-fsdp to the flax llama: plan its units, cut its forward into per-unit stages.
+"""Apply ragged-fsdp to the flax llama: a thin use of ``shard_model``.
 
 Like torchtitan's ``parallelize.py`` this is the one place that knows both the model's structure and the
 runtime. The units are those of the core preset (``tok_embeddings``, each ``layers.{i}``, and ``output`` =
-final norm + head), planned in the preset's tensor order and named by FQN, so the Layouts are the torch
-backend's for the same model, world size and granularity.
+final norm + head, here the root unit), planned in the preset's tensor order and named by FQN, so the
+Layouts are the torch backend's for the same model, world size and granularity. ``llama_stages`` is the
+same forward as a hand-written chain of ``Stage`` s (for ``FSDP(mesh, layouts, stages)``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jax_backend._buffers import (
     fqn,
     plan_units,
 )
+from jax_backend._model import shard_model
 from jax_backend._step import FSDP, MixedPrecision, Stage
 from jax_backend.models.llama import Llama
 from ragged import Granularity
@@ -72,13 +74,14 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
         granularity: ``(fqn, shape) -> granularity`` or one granularity for every matrix.
         mp: mixed precision; ``None`` computes and reduces in the master dtype.
         remat: re-gather each unit in the backward (keeps one unit unsharded at a time).
-        preset: the core preset whose units and tensor order are planned.
+        preset: the name of the core's units (``ragged.llama_shapes(preset, model.config)``), whose
+            tensor order is planned.
 
     Raises:
         LayoutMismatchError: the model's parameters differ from the preset's (named by FQN), or the mesh
             does not have the axes.
     """
-    units = ragged.model_shapes(preset).units
+    units = ragged.llama_shapes(preset, model.config).units
     params = model_params(model)
     planned = {name: shape for unit in units for name, shape in unit.tensors}
     for name, shape in planned.items():
@@ -90,5 +93,5 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
         raise LayoutMismatchError(f"the model has parameters {extra[:5]} that preset {preset!r} does not")
     check_mesh(mesh, (), axis, replica_axis)  # the axes must exist before the planner reads their size
     layouts = plan_units(units, mesh.shape[axis], granularity=granularity)
-    return FSDP(mesh, layouts, llama_stages(model), axis=axis, replica_axis=replica_axis,
-                mp=mp or MixedPrecision(), remat=remat)
+    return shard_model(model, mesh, units=["tok_embeddings", "layers.*"], root="output", layouts=layouts,
+                       axis=axis, replica_axis=replica_axis, mp=mp, remat=remat)

@@ -1,0 +1,187 @@
+"""shard_model on two models that are not the llama (tests/jax_backend/any_models.py): an NNX
+mixture-of-experts with a tied head and a router loss, and a pure function over a params dict. Five AdamW
+steps against single-device training at 1, 3, 4, 8 devices and HSDP 2 x 4, sharded init against the
+unsharded init, the compiled programs' memory, and the errors. Public API only."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from any_models import (
+    BLOCKS,
+    MoE,
+    MoEBlock,
+    adamw,
+    batches,
+    gspmd_step,
+    mlp_apply,
+    mlp_loss,
+    mlp_params,
+    moe_loss,
+    nnx_reference,
+    train_reference,
+)
+from flax import nnx
+from jax_reference import assert_params_close, rel_err
+
+from jax_backend import LayoutMismatchError, UnitError, flatten_params, fully_shard, make_mesh, shard_model
+
+MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 4: ((4,), ("fsdp",)), 8: ((8,), ("fsdp",)),
+          "2x4": ((2, 4), ("replica", "fsdp"))}
+LAYERS = [f"layers.{i}" for i in range(BLOCKS)]
+
+
+@pytest.fixture(scope="module")
+def data() -> np.ndarray:
+    return batches()
+
+
+@pytest.fixture(scope="module")
+def moe() -> MoE:
+    return MoE(nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe, data):
+    return nnx_reference(moe, data)
+
+
+@pytest.fixture(scope="module")
+def mlp_reference(data):
+    return train_reference(mlp_apply, mlp_params(), mlp_loss, data)
+
+
+def shard(model, mesh_key, **kw):
+    shape, names = MESHES[mesh_key]
+    replica = "replica" if len(shape) == 2 else None
+    return shard_model(model, make_mesh(shape, names), replica_axis=replica, **kw)
+
+
+def train(fsdp, params, loss_fn, data):
+    opt = adamw()
+    buffers = fsdp.shard(params)
+    state = fsdp.init(opt, buffers)
+    step = fsdp.train_step(opt, loss_fn)
+    losses = []
+    for b in data:
+        buffers, state, loss, *aux = step(buffers, state, b[:, :-1], b[:, 1:])
+        losses.append(float(loss))
+    return losses, {k: np.asarray(v) for k, v in fsdp.unshard(buffers).items()}, aux
+
+
+def is_block(path: str, module: nnx.Module) -> bool:
+    return isinstance(module, MoEBlock)
+
+
+# The units are named in each of the three ways (paths, a predicate, fully_shard marks); the tied head is
+# a unit of its own in some runs (its table then stays in the root, read inside the head's call); remat
+# alternates, so both ways of keeping units are trained at several sizes.
+@pytest.mark.parametrize("mesh_key, units, remat", [
+    (1, "blocks.*", False), (3, ["blocks.*", "head"], True), (4, "fully_shard", False),
+    (8, is_block, True), ("2x4", ["blocks.*", "head"], True)])
+def test_nnx_moe_matches_single_device(moe, data, moe_reference, mesh_key, units, remat):
+    if units == "fully_shard":  # a fresh model (same seed), its blocks and head marked as torch users do
+        moe, units = MoE(nnx.Rngs(0)), None
+        for block in moe.blocks:
+            fully_shard(block)
+        fully_shard(moe.head)
+    fsdp = shard(moe, mesh_key, units=units, remat=remat)
+    assert len(fsdp.layouts) == 1 + BLOCKS + (units != "blocks.*" and units is not is_block)
+    assert "embed.embedding" in [t.name for t in fsdp.layouts[0].tensors]  # the tied table: root
+    losses, params, (aux,) = train(fsdp, moe, moe_loss, data)
+    ref_losses, ref_params = moe_reference
+    assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
+    assert_params_close(params, ref_params, 1e-5)
+    assert set(aux) == {"router_loss"} and np.isfinite(aux["router_loss"])
+
+
+@pytest.mark.parametrize("mesh_key", [1, 3, 4, 8, "2x4"])
+def test_pure_function_matches_single_device(data, mlp_reference, mesh_key):
+    fsdp = shard(mlp_apply, mesh_key, params=mlp_params(), units=LAYERS)
+    losses, params, aux = train(fsdp, mlp_params(), mlp_loss, data)
+    ref_losses, ref_params = mlp_reference
+    assert aux == []
+    assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
+    assert_params_close(params, ref_params, 1e-5)
+
+
+def test_sharded_init_equals_the_unsharded_init_and_holds_one_unit_at_a_time():
+    """``init_params`` from an abstract model: the jitted unsharded init's values, bit for bit, at 8
+    devices (NNX) and 4 (pure function). Each unit is written by its own program (checked at 8 devices):
+    its memory is bounded by that unit (the other units' tensors are dead code there) and its output is
+    one shard per device."""
+    make = lambda: MoE(nnx.Rngs(0))
+    want = jax.jit(lambda: flatten_params(nnx.state(make(), nnx.Param)))()
+    fsdp = shard(mlp_apply, 4, params=jax.eval_shape(mlp_params), units=LAYERS)
+    got, want_mlp = fsdp.unshard(fsdp.init_params(mlp_params)), flatten_params(jax.jit(mlp_params)())
+    assert all(np.array_equal(got[k], want_mlp[k]) for k in want_mlp)
+    fsdp = shard(nnx.eval_shape(make), 8, units="blocks.*")
+    model_bytes, buffers = sum(4 * lay.total_numel for lay in fsdp.layouts), {}
+    for lay in fsdp.layouts:
+        compiled = fsdp.unit_initializer(make, lay.name).lower().compile()
+        mem, unit_bytes = compiled.memory_analysis(), 4 * lay.total_numel
+        assert mem.output_size_in_bytes == 4 * lay.shard_size
+        # the unit in full, its random bits and its packed buffer; never the model
+        assert mem.temp_size_in_bytes <= 2.5 * unit_bytes < model_bytes, (lay.name, mem.temp_size_in_bytes)
+        buffers[lay.name] = compiled()
+    got = fsdp.unshard(buffers)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_compiled_step_keeps_one_unit_unsharded_with_remat_and_less_temp_than_gspmd(moe, data):
+    """The compiled step at 4 devices: without remat one all-gather per unit; with remat each block and the
+    head are gathered again in their backward and the temporary memory drops by more than two blocks'
+    unsharded buffers, below GSPMD FSDP's on the same model."""
+    b, opt = data[0], adamw()
+    temp = {}
+    for remat in (False, True):
+        fsdp = shard(moe, 4, units=["blocks.*", "head"], remat=remat)
+        buffers = fsdp.shard(moe)
+        compiled = fsdp.train_step(opt, moe_loss).lower(buffers, fsdp.init(opt, buffers), b[:, :-1],
+                                                         b[:, 1:]).compile()
+        ops = [ln.split("=", 1)[1] for ln in compiled.as_text().splitlines() if "=" in ln]
+        want = {}  # all-gathers per buffer size (the three blocks have one size)
+        for lay in fsdp.layouts:
+            want[lay.total_numel] = want.get(lay.total_numel, 0) + (2 if remat and lay.name != "root" else 1)
+        got = {size: sum(f"f32[{size}]" in op and " all-gather(" in op for op in ops) for size in want}
+        assert got == want, (remat, got, want)
+        assert sum(" reduce-scatter(" in op for op in ops) == len(fsdp.layouts)
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+    block_bytes = 4 * fsdp.layouts[1].total_numel
+    assert temp[True] + 2 * block_bytes < temp[False], temp
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+    step, params, state = gspmd_step(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, moe_loss,
+                                     make_mesh((4,), ("fsdp",)), opt)
+    gspmd = step.lower(params, state, b[:, :-1], b[:, 1:]).compile().memory_analysis().temp_size_in_bytes
+    assert temp[True] <= gspmd, (temp, gspmd)
+
+
+class ReadsAnotherUnit(MoE):
+    def __call__(self, tokens):
+        h = self.embed(tokens) * self.blocks[0].norm.scale[...]  # the root reads a block's parameter
+        return self.head(h), 0.0
+
+
+def test_errors_name_the_unit_path_and_size(moe, data):
+    with pytest.raises(UnitError, match=r"unit path 'block\.\*' matches no submodule"):
+        shard(moe, 4, units="block.*")
+    with pytest.raises(UnitError, match=r"no units: pass units="):
+        shard(moe, 4)
+    with pytest.raises(UnitError, match=r"'embed.embedding' is used by units 'embed' and 'head'"):
+        shard(moe, 4, units=["embed", "head"])
+    with pytest.raises(UnitError, match=r"unit 'blocks.0.norm' is nested in unit 'blocks.0'"):
+        shard(moe, 4, units=["blocks.*", "blocks.0.norm"])
+    with pytest.raises(UnitError, match=r"unit path 'layer.0' matches no parameter"):
+        shard(mlp_apply, 4, params=mlp_params(), units=["layer.0"])
+    bad = ReadsAnotherUnit(nnx.Rngs(0))
+    fsdp = shard(bad, 4, units="blocks.*")
+    buffers, opt = fsdp.shard(bad), adamw()
+    step = fsdp.train_step(opt, moe_loss)
+    with pytest.raises(UnitError, match=r"'blocks.0.norm.scale' of unit 'blocks.0' was read outside"):
+        step(buffers, fsdp.init(opt, buffers), data[0][:, :-1], data[0][:, 1:])
+    fsdp = shard(moe, "2x4", units="blocks.*")
+    buffers = fsdp.shard(moe)
+    with pytest.raises(LayoutMismatchError, match=r"\['inputs'\] has shape \(12, 7\): its dim 0 must be "
+                                                  r"divisible by the data-parallel size 8"):
+        fsdp.train_step(opt, moe_loss)(buffers, fsdp.init(opt, buffers), data[0][:12, :-1], data[0][:12, 1:])
