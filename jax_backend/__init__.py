@@ -18,6 +18,7 @@ from jax_backend._buffers import (
 )
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend._compat import make_mesh, shard_map
+from jax_backend._optax import UnsupportedOptimizerError, check_optimizer, on_shards
 from jax_backend._redistribute import gather_tensor, scatter_tensor
 from jax_backend._step import FSDP, MixedPrecision, Stage, gather_unit
 
@@ -26,7 +27,9 @@ __all__ = [
     "LayoutMismatchError",
     "MixedPrecision",
     "Stage",
+    "UnsupportedOptimizerError",
     "check_mesh",
+    "check_optimizer",
     "check_params",
     "flatten_params",
     "fqn",
@@ -35,6 +38,7 @@ __all__ = [
     "load_checkpoint",
     "load_params",
     "make_mesh",
+    "on_shards",
     "pack_unit",
     "plan_units",
     "save_checkpoint",
