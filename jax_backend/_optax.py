@@ -115,9 +115,15 @@ def _owner(path: Any, leaf: Any, leaves: list) -> int | None:
 def _walk(jaxpr: Any, owners: list, programs: dict, names: list) -> list:
     """Propagate parameter ownership through ``jaxpr``; record each parameter's element-wise program."""
     env: dict = {v: o for v, o in zip(jaxpr.invars, owners)}
+    # What a value not derived from any parameter is (its primitives and constants, hashed): a constant
+    # that differs between parameters (``u * jnp.full(u.shape, u.ndim)``) makes their programs differ.
+    consts: dict = {v: ("input", k) for k, v in enumerate(jaxpr.invars)}
 
     def read(v: Any) -> frozenset:
         return frozenset() if isinstance(v, jex_core.Literal) else env.get(v, frozenset())
+
+    def const(v: Any) -> Any:
+        return repr(v.val) if isinstance(v, jex_core.Literal) else consts.get(v)
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
@@ -128,6 +134,9 @@ def _walk(jaxpr: Any, owners: list, programs: dict, names: list) -> list:
             outs = _walk(getattr(sub, "jaxpr", sub), ins, programs, names)
         elif not owned:
             outs = [frozenset()] * len(eqn.outvars)
+            params = () if name == "broadcast_in_dim" else repr(sorted(eqn.params.items()))
+            made = hash((name, params, tuple(const(v) for v in eqn.invars)))
+            consts.update((v, (made, k)) for k, v in enumerate(eqn.outvars))
         elif len(owned) > 1:
             got = ", ".join(names[i] for i in sorted(owned))
             raise UnsupportedOptimizerError(
@@ -145,8 +154,8 @@ def _walk(jaxpr: Any, owners: list, programs: dict, names: list) -> list:
             )
         else:
             (i,) = owned
-            lits = tuple(repr(v.val) for v in eqn.invars if isinstance(v, jex_core.Literal))
-            programs[i].append((name, lits, repr(sorted(eqn.params.items()))))
+            operands = tuple(None if o else const(v) for o, v in zip(ins, eqn.invars))
+            programs[i].append((name, operands, repr(sorted(eqn.params.items()))))
             outs = [owned] * len(eqn.outvars)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]

@@ -94,6 +94,10 @@ UNSUPPORTED = {
                             r"`reduce_sum` to parameter .*clip_by_global_norm"),
     "lamb": (lambda: optax.lamb(1e-2), r"`reduce_sum` to parameter"),
     "adafactor": (lambda: optax.adafactor(1e-2), r"to parameter \['"),
+    "a constant shaped by ndim": (lambda: optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.tree.map(lambda x: x * jnp.full(x.shape, x.ndim), u), s)),
+        "different program"),
     "transpose": (lambda: optax.GradientTransformation(
         lambda p: optax.EmptyState(), lambda u, s, p=None: (jax.tree.map(lambda x: x.T * 1.0, u), s)),
         r"`transpose` to parameter \['(blocks\.0\.w|experts|head\.w)'\]"),
