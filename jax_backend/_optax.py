@@ -80,8 +80,15 @@ def check_optimizer(tx: optax.GradientTransformation, layouts: Sequence[Layout],
     params = abstract_params(layouts) if params is None else params
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     names = [jax.tree_util.keystr(path) for path, _ in leaves]
-    state = jax.eval_shape(tx.init, params)
-    closed = jax.make_jaxpr(tx.update)(params, state, params)
+    try:
+        state = jax.eval_shape(tx.init, params)
+        closed = jax.make_jaxpr(tx.update)(params, state, params)
+    except Exception as err:  # noqa: BLE001 - any failure on the full params is reported the same way
+        raise UnsupportedOptimizerError(
+            f"the optimizer fails on the full params pytree ({type(err).__name__}: {err}); if it is written "
+            "for the step's {unit: shard} dict (jax_backend.optim's adamw8bit(blocks=...), "
+            "muon(plan=...)), pass it as jax_backend.on_shards(tx)"
+        ) from err
     # Which parameter each input derives from: updates and params by position, state leaves by path
     # (optax state mirrors the params tree, so a moment's path ends with its parameter's path).
     n = len(leaves)

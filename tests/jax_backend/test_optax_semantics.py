@@ -118,12 +118,12 @@ def test_unsupported_recipes_raise_before_the_first_step(recipe, config):
 
 def test_layout_aware_optimizers_pass_only_when_marked():
     """adamw8bit with shard blocks takes the {unit: shard} dict: on_shards skips the check explicitly;
-    unmarked, the check traces it on the full params and refuses it (its blocks name units, not params)."""
+    unmarked, it fails on the full params (its blocks name units) and the error points to on_shards."""
     layout = ragged.plan([ragged.TensorSpec("w", (64, 32), "tiles:32x32")], 4, name="unit")
     fsdp = FSDP(make_mesh((4,), ("fsdp",)), (layout,), (Stage("unit", lambda p, h: h),))
     tx = adamw8bit(1e-3, blocks=shard_blocks(fsdp.layouts, fsdp.axis))
     buffers = fsdp.shard({"w": jnp.ones((64, 32))})
-    with pytest.raises(ValueError, match="blocks are given for the units"):
+    with pytest.raises(UnsupportedOptimizerError, match=r"blocks are given for the units.*on_shards\(tx\)"):
         fsdp.init(tx, buffers)
     state = fsdp.init(on_shards(tx), buffers)
     assert state[0].m_codes["unit"].shape == (layout.total_numel,)  # 8-bit codes on the unit's shards
