@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.extend import core as jex_core
 
 import ragged
@@ -57,6 +59,25 @@ def on_shards(tx: optax.GradientTransformation) -> OnShards:
     whose block ids and Newton-Schulz roots come from the core's tables, not from the params pytree.
     """
     return OnShards(tx.init, tx.update)
+
+
+def clip_by_global_norm(max_norm: float, axis: str) -> OnShards:
+    """``optax.clip_by_global_norm`` for the step's ``{unit: shard}`` dict (inside ``shard_map``).
+
+    The squared norm is summed over the local shards (padding is zero) and ``psum``-ed over the shard
+    axis only: HSDP replicas hold equal shards. Chain it with element-wise transformations and pass the
+    chain through ``on_shards``: ``on_shards(optax.chain(clip_by_global_norm(1.0, fsdp.axis), adamw))``.
+    """
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple:
+        del params
+        squares = sum(jnp.sum(jnp.square(u)) for u in jax.tree.leaves(updates))
+        norm = jnp.sqrt(lax.psum(squares, axis))
+        trigger = norm < max_norm
+        return jax.tree.map(lambda t: lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm),
+                            updates), state
+
+    return OnShards(lambda params: optax.EmptyState(), update)
 
 
 def abstract_params(layouts: Sequence[Layout], dtype: Any = "float32") -> dict[str, jax.ShapeDtypeStruct]:

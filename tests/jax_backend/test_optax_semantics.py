@@ -16,7 +16,15 @@ import pytest
 from jax_reference import rel_err
 
 import ragged
-from jax_backend import FSDP, Stage, UnsupportedOptimizerError, make_mesh, on_shards, shard_map
+from jax_backend import (
+    FSDP,
+    Stage,
+    UnsupportedOptimizerError,
+    clip_by_global_norm,
+    make_mesh,
+    on_shards,
+    shard_map,
+)
 from jax_backend.optim import adamw8bit, shard_blocks
 
 # Odd shapes, biases, a 3-D tensor, and tensors small enough that some device holds nothing of them.
@@ -44,6 +52,11 @@ def _data(steps: int = 3):
 
 SUPPORTED = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    # (reference, on shards): the grads' global norm is about 12, so the clip scales every step; SGD, not
+    # Adam, after it, since Adam would undo a uniform scale (a per-shard norm would then go unnoticed)
+    "clip_by_global_norm + sgd": (
+        lambda: optax.chain(optax.clip_by_global_norm(2.0), optax.sgd(0.1, momentum=0.9)),
+        lambda: on_shards(optax.chain(clip_by_global_norm(2.0, "fsdp"), optax.sgd(0.1, momentum=0.9)))),
     "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
     "lion": lambda: optax.lion(1e-2, weight_decay=0.1),
     "rmsprop": lambda: optax.rmsprop(1e-2),
@@ -58,18 +71,19 @@ def test_elementwise_recipes_on_shards_equal_unsharded_optax(recipe, config):
     if config == "4":  # the layout leaves some device without any piece of some tensor
         layout = fsdp.layouts[0]
         assert any(not [p for p in layout.local_pieces(d) if p.name == "head.b"] for d in range(4))
-    tx = SUPPORTED[recipe]()
+    make = SUPPORTED[recipe]
+    tx, sharded_tx = (make[0](), make[1]()) if isinstance(make, tuple) else (make(), make())
     want, state = dict(params), tx.init(params)
     for g in grads:
         updates, state = tx.update(g, state, want)
         want = optax.apply_updates(want, updates)
 
     buffers = fsdp.shard(params)
-    opt_state = fsdp.init(tx, buffers)
-    specs = (fsdp._buffer_specs(), fsdp._state_specs(tx))
+    opt_state = fsdp.init(sharded_tx, buffers)
+    specs = (fsdp._buffer_specs(), fsdp._state_specs(sharded_tx))
 
     def local_update(local, g, s):
-        updates, s = tx.update(g, s, local)
+        updates, s = sharded_tx.update(g, s, local)
         return optax.apply_updates(local, updates), s
 
     step = jax.jit(shard_map(local_update, fsdp.mesh, in_specs=(specs[0], specs[0], specs[1]),
