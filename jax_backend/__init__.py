@@ -18,7 +18,13 @@ from jax_backend._buffers import (
 )
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend._compat import make_mesh, shard_map
-from jax_backend._optax import UnsupportedOptimizerError, check_optimizer, clip_by_global_norm, on_shards
+from jax_backend._optax import (
+    UnsupportedOptimizerError,
+    check_optimizer,
+    clip_by_global_norm,
+    global_norm,
+    on_shards,
+)
 from jax_backend._redistribute import gather_tensor, scatter_tensor
 from jax_backend._step import FSDP, MixedPrecision, Stage, gather_unit
 
@@ -36,6 +42,7 @@ __all__ = [
     "fqn",
     "gather_tensor",
     "gather_unit",
+    "global_norm",
     "load_checkpoint",
     "load_params",
     "make_mesh",

@@ -61,18 +61,25 @@ def on_shards(tx: optax.GradientTransformation) -> OnShards:
     return OnShards(tx.init, tx.update)
 
 
+def global_norm(shards: Any, axis: str) -> jax.Array:
+    """``optax.global_norm`` of the full params from the step's ``{unit: shard}`` dict (inside ``shard_map``).
+
+    Padding is zero, so the local shards' squares summed over the shard axis are the full params'; not
+    over the replica axis, since HSDP replicas hold equal shards.
+    """
+    return jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(u)) for u in jax.tree.leaves(shards)), axis))
+
+
 def clip_by_global_norm(max_norm: float, axis: str) -> OnShards:
     """``optax.clip_by_global_norm`` for the step's ``{unit: shard}`` dict (inside ``shard_map``).
 
-    The squared norm is summed over the local shards (padding is zero) and ``psum``-ed over the shard
-    axis only: HSDP replicas hold equal shards. Chain it with element-wise transformations and pass the
+    The norm is ``global_norm`` of the shards. Chain it with element-wise transformations and pass the
     chain through ``on_shards``: ``on_shards(optax.chain(clip_by_global_norm(1.0, fsdp.axis), adamw))``.
     """
 
     def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple:
         del params
-        squares = sum(jnp.sum(jnp.square(u)) for u in jax.tree.leaves(updates))
-        norm = jnp.sqrt(lax.psum(squares, axis))
+        norm = global_norm(updates, axis)
         trigger = norm < max_norm
         return jax.tree.map(lambda t: lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm),
                             updates), state

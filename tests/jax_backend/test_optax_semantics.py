@@ -21,6 +21,7 @@ from jax_backend import (
     Stage,
     UnsupportedOptimizerError,
     clip_by_global_norm,
+    global_norm,
     make_mesh,
     on_shards,
     shard_map,
@@ -94,6 +95,14 @@ def test_elementwise_recipes_on_shards_equal_unsharded_optax(recipe, config):
     for n in params:
         assert rel_err(got[n], want[n]) <= 1e-6, (n, rel_err(got[n], want[n]))
         assert not np.allclose(np.asarray(got[n]), np.asarray(params[n])), f"{n} did not move"
+
+
+@pytest.mark.parametrize("config", list(MESHES))
+def test_global_norm_of_shards_equals_optax_global_norm(config):
+    fsdp, (params, _) = _fsdp(config), _data(0)
+    norm = jax.jit(shard_map(lambda b: global_norm(b, fsdp.axis), fsdp.mesh, in_specs=(fsdp._buffer_specs(),),
+                             out_specs=jax.sharding.PartitionSpec()))(fsdp.shard(params))
+    assert rel_err(norm, optax.tree.norm(params)) <= 1e-6  # optax.global_norm, renamed
 
 
 UNSUPPORTED = {
