@@ -19,6 +19,13 @@ from jax_backend._buffers import (
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend._compat import make_mesh, shard_map
 from jax_backend._model import UnitError, fully_shard, shard_model
+from jax_backend._optax import (
+    UnsupportedOptimizerError,
+    check_optimizer,
+    clip_by_global_norm,
+    global_norm,
+    on_shards,
+)
 from jax_backend._redistribute import gather_tensor, scatter_tensor
 from jax_backend._step import FSDP, MixedPrecision, Stage, Units, gather_unit
 
@@ -29,16 +36,21 @@ __all__ = [
     "Stage",
     "UnitError",
     "Units",
+    "UnsupportedOptimizerError",
     "check_mesh",
+    "check_optimizer",
     "check_params",
+    "clip_by_global_norm",
     "flatten_params",
     "fqn",
     "fully_shard",
     "gather_tensor",
     "gather_unit",
+    "global_norm",
     "load_checkpoint",
     "load_params",
     "make_mesh",
+    "on_shards",
     "pack_unit",
     "plan_units",
     "save_checkpoint",

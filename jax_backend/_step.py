@@ -41,6 +41,7 @@ from jax_backend._buffers import (
     unshard_params,
 )
 from jax_backend._compat import shard_map
+from jax_backend._optax import check_optimizer
 from ragged import Layout
 
 
@@ -221,7 +222,11 @@ class FSDP:
         return {lay.name: P(self.axis) for lay in self.layouts}
 
     def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
-        """Per-element optimizer state is sharded like the buffers; scalars (step counts) are replicated."""
+        """Per-element optimizer state is sharded like the buffers; scalars (step counts) are replicated.
+
+        Checks first that ``optimizer`` on flat shards equals optax on the full params (``check_optimizer``).
+        """
+        check_optimizer(optimizer, self.layouts)
         local = {lay.name: jax.ShapeDtypeStruct((lay.shard_size,), jnp.float32) for lay in self.layouts}
 
         def spec(path: Any, leaf: jax.ShapeDtypeStruct) -> P:

@@ -206,7 +206,7 @@ def adamw8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float 
     Example:
         >>> fsdp = parallelize(model, mesh, granularity=lambda name, shape: ragged.tile_granularity(shape))
         >>> opt = adamw8bit(1e-3, blocks=shard_blocks(fsdp.layouts, fsdp.axis))
-        >>> step = fsdp.train_step(opt, loss_fn)
+        >>> step = fsdp.train_step(jax_backend.on_shards(opt), loss_fn)
 
     References:
         Dettmers et al., 8-bit Optimizers via Block-wise Quantization (2022); veScale-FSDP (2026).

@@ -211,7 +211,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.95, nesterov
 
     Example:
         >>> opt = muon(0.02, adam_learning_rate=3e-4, plan=muon_plan(fsdp.layouts, fsdp.axis))
-        >>> step = fsdp.train_step(opt, loss_fn)
+        >>> step = fsdp.train_step(jax_backend.on_shards(opt), loss_fn)
 
     References:
         Jordan et al., Muon (2024); veScale-FSDP Algorithm 2 (2026).
