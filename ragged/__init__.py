@@ -7,6 +7,7 @@ plans, model shape presets and the baselines they are compared with.
 from ragged._advise import Advice, HsdpOption, advise
 from ragged._baselines import BaselineLayout, baseline_layouts
 from ragged._checkpoint import Checkpoint, CheckpointError, StoredTensor, load_checkpoint, save_checkpoint
+from ragged._drawing import LayoutDrawing, Picture, Segment, draw_layout, draw_plan, draw_side_by_side
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
@@ -61,11 +62,15 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "chunk_sizes",
+    "draw_layout",
+    "draw_plan",
+    "draw_side_by_side",
     "Granularity",
     "granularity_for",
     "GranularityError",
     "HsdpOption",
     "Layout",
+    "LayoutDrawing",
     "LlamaConfig",
     "load_checkpoint",
     "llama_shapes",
@@ -77,6 +82,7 @@ __all__ = [
     "newton_schulz_cost",
     "padding_sweep",
     "parse_shapes",
+    "Picture",
     "Piece",
     "piece_table",
     "PieceTable",
@@ -92,6 +98,7 @@ __all__ = [
     "replicate_holdings",
     "run_sweep",
     "save_checkpoint",
+    "Segment",
     "shard_holdings",
     "StoredTensor",
     "SweepRow",
