@@ -30,7 +30,7 @@ from ragged._layout import Layout, TensorSlot, _ceil_to
 from ragged._tiles import quant_block
 
 METHODS = ("ragged", "fsdp2", "gspmd")
-MAX_EDGES = 64  # per interval: finer blocks than this would paint the row solid, so they are left out
+MAX_EDGES = 16  # per interval: finer blocks would paint the row solid (and bloat the SVG): left out
 
 
 class Segment(NamedTuple):
@@ -91,7 +91,7 @@ class LayoutDrawing:
     def title(self) -> str:
         names = {"ragged": "ragged (planned Layout)", "fsdp2": "FSDP2 per-parameter Shard(0)",
                  "gspmd": "GSPMD per-tensor sharding"}
-        return f"{self.unit}: {names[self.method]}, {self.world_size} devices"
+        return f"{self.unit + ': ' if self.unit else ''}{names[self.method]}, {self.world_size} devices"
 
     @property
     def caption(self) -> str:

@@ -37,8 +37,7 @@ def picture_renderable(drawings: Sequence[LayoutDrawing], width: int = 64) -> Gr
 
 def _bar(d: LayoutDrawing, row: list, dev: int, width: int) -> Text:
     cell = d.shard_size / width
-    cut_cells = {min(int(e.at / cell), width - 1) for e in d.cuts
-                 if e.device == dev and 0 < e.at < d.shard_size}
+    cut_cells = {min(int(e.at / cell), width - 1) for e in d.cuts if e.device == dev}
     bar = Text()
     for i in range(width):
         if i in cut_cells:
