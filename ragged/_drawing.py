@@ -119,6 +119,9 @@ class Picture:
 
     drawings: tuple[LayoutDrawing, ...]
 
+    def __repr__(self) -> str:
+        return "\n".join(f"{d.title}: {d.caption}" for d in self.drawings)
+
     def svg(self, width: int = 880) -> str:
         from ragged._svg import picture_svg
 
