@@ -15,7 +15,7 @@ from typing import Any
 
 from ragged._advise import Advice, advise
 from ragged._baselines import BASELINES
-from ragged._drawing import Picture, draw_plan, draw_side_by_side
+from ragged._drawing import METHODS, Picture, draw_plan
 from ragged._errors import RaggedError
 from ragged._granularity import Granularity
 from ragged._layout import Layout
@@ -109,12 +109,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _plan_picture(layouts: Sequence[Layout]) -> Picture:
     """Each distinct unit (repeats drawn once) as planned, then under FSDP2 and GSPMD."""
-    return Picture(tuple(d for first in draw_plan(layouts).drawings
-                         for d in (first, *draw_side_by_side(_unit(layouts, first.unit)).drawings[1:])))
-
-
-def _unit(layouts: Sequence[Layout], title: str) -> Layout:
-    return next(lay for lay in layouts if title.split(" (x")[0] == lay.name)
+    per_method = [draw_plan(layouts, method).drawings for method in METHODS]
+    return Picture(tuple(d for same_unit in zip(*per_method) for d in same_unit))
 
 
 def plan_units(units: Sequence[UnitSpecs], world_size: int, *, itemsize: int = 4) -> list[UnitComparison]:

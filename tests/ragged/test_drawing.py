@@ -185,6 +185,9 @@ def test_cli_writes_the_svg(tmp_path, capsys):
     root = ET.fromstring(out.read_text())
     methods = [g.get("data-method") for g in root.findall("{http://www.w3.org/2000/svg}g")]
     assert methods == ["ragged", "fsdp2", "gspmd"] * 3
+    units = [g.get("data-unit") for g in root.findall("{http://www.w3.org/2000/svg}g")]
+    assert units == [u for u in ["tok_embeddings", "layers.0 (x4: layers.0 .. layers.3)", "output"]
+                     for _ in range(3)]
 
 
 def test_unknown_method_is_named():
