@@ -24,6 +24,13 @@ PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b
 
 def save_png(picture: ragged.Picture, path: str, width: float = 10.0) -> None:
     """Draw every drawing of ``picture`` as one panel (rows = devices) and save a PNG."""
+    fig = figure(picture, width)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def figure(picture: ragged.Picture, width: float = 10.0) -> plt.Figure:
+    """The matplotlib figure: one bar per interval, one red line per cut block."""
     drawings: Sequence[ragged.LayoutDrawing] = picture.drawings
     heights = [min(d.world_size, 12) + 2.5 for d in drawings]
     fig, axes = plt.subplots(len(drawings), 1, figsize=(width, 0.28 * sum(heights)),
@@ -52,8 +59,7 @@ def save_png(picture: ragged.Picture, path: str, width: float = 10.0) -> None:
     fig.legend(handles, [ragged_short(n) for n in drawings[0].tensors], loc="lower center",
                ncol=min(5, len(handles)), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig
 
 
 def ragged_short(name: str) -> str:
