@@ -7,6 +7,7 @@ plans, model shape presets and the baselines they are compared with.
 from ragged._advise import Advice, HsdpOption, advise
 from ragged._baselines import BaselineLayout, baseline_layouts
 from ragged._checkpoint import Checkpoint, CheckpointError, StoredTensor, load_checkpoint, save_checkpoint
+from ragged._drawing import LayoutDrawing, Picture, Segment, draw_layout, draw_plan, draw_side_by_side
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
@@ -71,11 +72,15 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "chunk_sizes",
+    "draw_layout",
+    "draw_plan",
+    "draw_side_by_side",
     "Granularity",
     "granularity_for",
     "GranularityError",
     "HsdpOption",
     "Layout",
+    "LayoutDrawing",
     "LlamaConfig",
     "load_checkpoint",
     "llama_shapes",
@@ -88,6 +93,7 @@ __all__ = [
     "newton_schulz_load",
     "padding_sweep",
     "parse_shapes",
+    "Picture",
     "Piece",
     "piece_table",
     "PieceTable",
@@ -104,6 +110,7 @@ __all__ = [
     "root_buckets",
     "run_sweep",
     "save_checkpoint",
+    "Segment",
     "shard_holdings",
     "StoredTensor",
     "SweepRow",

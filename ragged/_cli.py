@@ -15,8 +15,10 @@ from typing import Any
 
 from ragged._advise import Advice, advise
 from ragged._baselines import BASELINES
+from ragged._drawing import METHODS, Picture, draw_plan
 from ragged._errors import RaggedError
 from ragged._granularity import Granularity
+from ragged._layout import Layout
 from ragged._presets import model_names
 from ragged._shapes_file import UnitSpecs, model_units, read_shapes_file
 from ragged._sweep import (
@@ -56,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--granularity", default="rows:1", help="matrix granularity (default rows:1)")
     q.add_argument("--itemsize", type=int, default=4, help="bytes per element; alignment = 16 bytes")
     q.add_argument("--json", metavar="OUT", help="write the layouts as JSON to OUT ('-' for stdout)")
+    q.add_argument("--svg", metavar="FILE.svg",
+                   help="draw each distinct unit as planned, under FSDP2 and under GSPMD, to an SVG file")
+    q.add_argument("--show", action="store_true", help="draw each distinct unit in the terminal")
     q.set_defaults(run=_run_plan)
 
     s = sub.add_parser("sweep", help="the Figure 11 padding sweep against the baselines")
@@ -91,7 +96,21 @@ def _run_plan(args: argparse.Namespace) -> int:
         _write_json(args.json, plan_json(compared, args.world_size))
     if args.json != "-":
         _print_plan(compared, args.model or args.shapes, args.world_size, matrix)
+    if args.svg or args.show:
+        picture = _plan_picture([c.layout for c in compared])
+        if args.svg:
+            with open(args.svg, "w") as f:
+                f.write(picture.svg())
+            print(f"wrote {args.svg}")
+        if args.show:
+            _console().print(picture)
     return 0
+
+
+def _plan_picture(layouts: Sequence[Layout]) -> Picture:
+    """Each distinct unit (repeats drawn once) as planned, then under FSDP2 and GSPMD."""
+    per_method = [draw_plan(layouts, method).drawings for method in METHODS]
+    return Picture(tuple(d for same_unit in zip(*per_method) for d in same_unit))
 
 
 def plan_units(units: Sequence[UnitSpecs], world_size: int, *, itemsize: int = 4) -> list[UnitComparison]:

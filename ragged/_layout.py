@@ -191,6 +191,12 @@ class Layout:
             object.__setattr__(out, key, value)
         return out
 
+    def _repr_svg_(self) -> str:
+        """Jupyter's picture of the layout: one row per device (see ``ragged.draw_layout``)."""
+        from ragged._drawing import Picture, draw_layout
+
+        return Picture((draw_layout(self),)).svg()
+
     # ----- serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
