@@ -10,6 +10,7 @@ from ragged._checkpoint import Checkpoint, CheckpointError, StoredTensor, load_c
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
+from ragged._memory import MemoryPlan, flops_per_token, gib, memory_plan, trained_llama, trained_model_names
 from ragged._model_plan import plan_model
 from ragged._muon_roots import NS_COEFFS, NS_STEPS, assign_roots, muon_scale, newton_schulz_cost
 from ragged._placement import RaggedShard
@@ -67,6 +68,12 @@ __all__ = [
     "HsdpOption",
     "Layout",
     "LlamaConfig",
+    "MemoryPlan",
+    "memory_plan",
+    "flops_per_token",
+    "gib",
+    "trained_llama",
+    "trained_model_names",
     "load_checkpoint",
     "llama_shapes",
     "model_names",
