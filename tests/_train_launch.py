@@ -36,13 +36,19 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
                 "--master-port", str(free_port()), "-m", "experiments.train", "--stack", "torch", *args])
 
 
-def jax_processes(nproc: int, args: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """``nproc`` JAX processes joined by explicit coordinator flags; all are waited for (killed on timeout)."""
+def start_jax(nproc: int, args: list[str], cache: Path) -> list[subprocess.Popen]:
+    """``nproc`` JAX processes joined by explicit coordinator flags, sharing a compilation cache."""
     coordinator = f"localhost:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "experiments.train", "--stack", "jax", *args,
-                               "--coordinator", coordinator, "--num-processes", str(nproc), "--process-id", str(i)],
-                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(nproc)]
+    jax_env = {**env(), "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return [subprocess.Popen([sys.executable, "-m", "experiments.train", "--stack", "jax", *args,
+                              "--coordinator", coordinator, "--num-processes", str(nproc), "--process-id", str(i)],
+                             cwd=ROOT, env=jax_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(nproc)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Wait for every process (all are killed if one times out)."""
     out = []
     try:
         for p in procs:

@@ -1,0 +1,58 @@
+"""Collect what ``experiments/gpu_bench.sh`` measured into ``gpu_bench.md`` and ``gpu_bench.json``.
+
+Reads the stage list and the per-stage files the script left in the results folder; a stage that failed or
+timed out shows as such, so the summary is written whatever finished.
+
+    python -m experiments._train.gpu_report experiments/results
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def collect(results: Path) -> dict:
+    stages = []
+    stages_file = results / "gpu_bench_stages.txt"
+    if stages_file.exists():
+        for line in stages_file.read_text().splitlines():
+            name, rc, seconds = line.split()
+            stages.append({"stage": name, "exit": int(rc), "seconds": int(seconds)})
+    runs = {p.stem.removeprefix("gpu_train_"): json.loads(p.read_text())
+            for p in sorted(results.glob("gpu_train_*.json"))}
+    check = results / "gpu_check.txt"
+    return {"stages": stages, "train": runs, "gpu_check": check.read_text() if check.exists() else None}
+
+
+def markdown(data: dict) -> str:
+    lines = ["# GPU benchmark (`experiments/gpu_bench.sh`)", "",
+             "llama3.2-1b shapes (1.24 B parameters, untied head), bf16 compute, fp32 master weights and "
+             "optimizer state, 4 x 2048 tokens per step, one GPU (world size 1, NCCL). Medians over the "
+             "steps after the first.", "",
+             "| run | step time | tokens/s | MFU | peak memory | last loss |", "|---|---|---|---|---|---|"]
+    for name, s in data["train"].items():
+        mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else "n/a"
+        peak = f"{s['peak_memory_bytes'] / 2**30:.1f} GiB" if s.get("peak_memory_bytes") else "n/a"
+        lines.append(f"| {name} | {s['median_step_s'] * 1e3:.0f} ms | {s['tokens_per_s']:,.0f} | {mfu} | "
+                     f"{peak} | {s['last_loss']:.4f} |")
+    lines += ["", "| stage | exit status | seconds |", "|---|---|---|"]
+    lines += [f"| {s['stage']} | {s['exit']}{' (timed out)' if s['exit'] in (124, 137) else ''} | "
+              f"{s['seconds']} |" for s in data["stages"]]
+    if data["gpu_check"]:
+        lines += ["", "## gpu_check", "", "```", data["gpu_check"].rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    results = Path(sys.argv[1] if len(sys.argv) > 1 else "experiments/results")
+    data = collect(results)
+    (results / "gpu_bench.json").write_text(json.dumps(data, indent=1))
+    text = markdown(data)
+    (results / "gpu_bench.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
