@@ -73,11 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def memory_plan(args: argparse.Namespace, config: ragged.LlamaConfig, world: int) -> ragged.MemoryPlan:
     """The per-device plan for ``world`` devices; resolves ``--hsdp`` (``auto``: the advisor) into ``replicas``."""
     shapes = ragged.llama_shapes(args.model, config)
-    granularity = ("rows:32" if args.optimizer == "adam8bit" else "rows:1") if args.granularity == "auto" \
+    granularity = ("tiles" if args.optimizer == "adam8bit" else "rows:1") if args.granularity == "auto" \
         else args.granularity
     if args.hsdp == "auto":
-        best = ragged.advise(shapes, world, granularity).best
-        replicas = 1 if best is None else best.replicas
+        advice = ragged.advise(shapes, world, granularity)  # the runtimes keep one unit per layer: merge 1
+        fits = [o for o in advice.options if o.merge == 1 and o.padding_ratio <= advice.max_padding]
+        replicas = max(fits, key=lambda o: o.group_size).replicas if fits else 1
     else:
         replicas = int(args.hsdp)
     if replicas < 1 or world % replicas:

@@ -28,8 +28,11 @@ import math
 from dataclasses import dataclass
 
 from ragged._errors import RaggedError
+from ragged._layout import TensorSpec
 from ragged._model_plan import plan_model
+from ragged._planner import plan
 from ragged._presets import LLAMA_CONFIGS, LlamaConfig, ModelShapes, llama_shapes
+from ragged._tiles import tile_granularity
 
 _TRAINED: dict[str, tuple[LlamaConfig, str]] = {
     **{name: (c, "the preset's llama") for name, c in LLAMA_CONFIGS.items()},
@@ -116,10 +119,26 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
+def _unit_sizes(shapes: ModelShapes, world: int, granularity: str) -> list[tuple[int, int]]:
+    """``(S, world * S)`` per unit; ``granularity="tiles"`` is 8-bit Adam's rule (``tile_granularity``)."""
+    if granularity != "tiles":
+        return [(lay.shard_size, lay.total_numel) for lay in plan_model(shapes, world, granularity)]
+    planned: dict[tuple, tuple[int, int]] = {}  # units with the same shapes plan alike
+    for unit in shapes.units:
+        key = tuple(shape for _, shape in unit.tensors)
+        if key not in planned:
+            lay = plan([TensorSpec(n, s, tile_granularity(s)) for n, s in unit.tensors], world, name=unit.name)
+            planned[key] = (lay.shard_size, lay.total_numel)
+    return [planned[tuple(shape for _, shape in unit.tensors)] for unit in shapes.units]
+
+
 def memory_plan(model: str, c: LlamaConfig, gpus: int, *, replicas: int = 1, granularity: str = "rows:1",
                 dtype: str = "bf16", optimizer: str = "adamw", batch_per_device: int = 1, seq_len: int = 2048,
                 activation_checkpointing: bool = False, shapes: ModelShapes | None = None) -> MemoryPlan:
     """Plan ``c`` (or ``shapes``) for ``gpus`` devices and estimate the bytes one device holds.
+
+    ``granularity`` is a ``ragged`` granularity string for every matrix, or ``"tiles"`` for 8-bit Adam's
+    32 x 32 tiles where a matrix tiles (``tile_granularity``), as the runtimes plan it.
 
     Raises:
         RaggedError: ``replicas`` does not divide ``gpus``, or an unknown dtype or optimizer.
@@ -132,9 +151,9 @@ def memory_plan(model: str, c: LlamaConfig, gpus: int, *, replicas: int = 1, gra
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise RaggedError(f"memory_plan: optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_BYTES)}")
     shapes = shapes or llama_shapes(model, c)
-    layouts = plan_model(shapes, gpus // replicas, granularity)
-    shard = sum(lay.shard_size for lay in layouts)
-    biggest = max(lay.total_numel for lay in layouts)
+    sizes = _unit_sizes(shapes, gpus // replicas, granularity)
+    shard = sum(s for s, _ in sizes)
+    biggest = max(total for _, total in sizes)
     cb = DTYPE_BYTES[dtype]
     tokens = batch_per_device * seq_len
     per_layer = cb * (2 * c.dim + 6 * c.n_heads * c.head_dim + 4 * c.ffn_dim) + 2 * 4 * c.dim
@@ -142,7 +161,7 @@ def memory_plan(model: str, c: LlamaConfig, gpus: int, *, replicas: int = 1, gra
         activations = tokens * (c.n_layers * c.dim * cb + per_layer)
     else:
         activations = tokens * c.n_layers * per_layer
-    buffers = sum(lay.world_size * lay.shard_size for lay in layouts)
+    buffers = sum(total for _, total in sizes)
     return MemoryPlan(
         model=model, gpus=gpus, replicas=replicas, granularity=granularity, dtype=dtype, optimizer=optimizer,
         tokens_per_device=tokens, activation_checkpointing=activation_checkpointing, numel=shapes.numel,

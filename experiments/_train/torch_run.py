@@ -122,6 +122,37 @@ def comm_wait_timer() -> Iterator[list[float]]:
         _collectives.Pending.wait = original
 
 
+def _rank_state(path: Path) -> Path:
+    return path.with_name(path.name + ".optim") / f"rank_{dist.get_rank()}.pt"
+
+
+def save(path: Path, model, opt: torch.optim.Optimizer, optimizer_name: str) -> None:
+    """The model (and AdamW's state) through DCP, reshardable; 8-bit Adam's and Muon's state, which are
+    local tensors per rank (not shaped like the parameters), as each rank's ``state_dict`` beside it,
+    written first: ``step_<N>`` appears last, complete."""
+    from torch_backend import save_checkpoint
+
+    if optimizer_name == "adamw":
+        save_checkpoint(path, model, opt)
+        return
+    _rank_state(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(opt.state_dict(), _rank_state(path))
+    save_checkpoint(path, model)
+
+
+def load(path: Path, model, opt: torch.optim.Optimizer, optimizer_name: str) -> None:
+    from torch_backend import load_checkpoint
+
+    if optimizer_name == "adamw":
+        load_checkpoint(path, model, opt)
+        return
+    load_checkpoint(path, model)
+    if not _rank_state(path).exists():
+        raise SystemExit(f"{path}: no {optimizer_name} state for rank {dist.get_rank()} (its state is per rank: "
+                         "resume at the world size it was saved with)")
+    opt.load_state_dict(torch.load(_rank_state(path), weights_only=True))
+
+
 def peak_memory(dev: torch.device) -> int:
     if dev.type == "cuda":
         return torch.cuda.max_memory_allocated(dev)
@@ -130,7 +161,7 @@ def peak_memory(dev: torch.device) -> int:
 
 def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
     """Train; ``plan_check(world, capacity)`` refuses a run that does not fit, before anything is built."""
-    from torch_backend import debug_counter, load_checkpoint, save_checkpoint
+    from torch_backend import debug_counter
     from torch_backend.models import cross_entropy
 
     rank, world, dev = init_distributed(args.device)
@@ -150,7 +181,7 @@ def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
         first = 0
         if (found := checkpoints.latest(ckpt_root)) is not None:
             first, path = found
-            load_checkpoint(path, model, opt)
+            load(path, model, opt, args.optimizer)
         data = TokenSource(config.vocab_size, args.seq_len, args.batch, args.seed, args.data, args.data_dtype)
         rows = args.batch // world
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -179,7 +210,7 @@ def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
                     os._exit(17)  # tests: die like a killed job, without saving or cleaning up
                 done = step + 1
                 if ckpt_root is not None and (done % args.save_interval == 0 or done == args.steps):
-                    save_checkpoint(checkpoints.step_dir(ckpt_root, done), model, opt)
+                    save(checkpoints.step_dir(ckpt_root, done), model, opt, args.optimizer)
         return monitor.print_summary(f"torch, {world} {dev.type} process(es)")
     finally:
         dist.destroy_process_group()
