@@ -35,7 +35,7 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a timeout, log it, never s
 }
 : > "$RESULTS/gpu_bench_stages.txt"
 
-stage gpu_check 90 bash -c "$PYTHON -m experiments.gpu_check | tee $RESULTS/gpu_check.txt"
+stage gpu_check 90 bash -c "set -o pipefail; $PYTHON -m experiments.gpu_check | tee $RESULTS/gpu_check.txt"
 
 for opt in adamw adam8bit muon; do
     stage "torch_$opt" 75 "$PYTHON" -m experiments.train --stack torch "${MODEL[@]}" --optimizer "$opt" \

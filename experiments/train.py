@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         summary = jax_run.run(args, args.model, config, plan_check, settings)
     if args.summary is not None and summary:
-        args.summary.write_text(json.dumps({"model": args.model, "stack": args.stack, **summary}, indent=1))
+        run = {k: getattr(args, k) for k in ("model", "stack", "optimizer", "dtype", "batch", "seq_len")}
+        args.summary.write_text(json.dumps({**run, **summary}, indent=1))
     return summary
 
 

@@ -27,11 +27,12 @@ def collect(results: Path) -> dict:
 
 
 def markdown(data: dict) -> str:
-    lines = ["# GPU benchmark (`experiments/gpu_bench.sh`)", "",
-             "llama3.2-1b shapes (1.24 B parameters, untied head), bf16 compute, fp32 master weights and "
-             "optimizer state, 4 x 2048 tokens per step, one GPU (world size 1, NCCL). Medians over the "
-             "steps after the first.", "",
-             "| run | step time | tokens/s | MFU | peak memory | last loss |", "|---|---|---|---|---|---|"]
+    lines = ["# GPU benchmark (`experiments/gpu_bench.sh`)", ""]
+    for s in list(data["train"].values())[:1]:
+        lines += [f"{s['model']}, {s['dtype']} compute (fp32 master weights and optimizer state), "
+                  f"{s['batch']} x {s['seq_len']} tokens per step, world size 1. Medians over the steps after "
+                  "the first.", ""]
+    lines += ["| run | step time | tokens/s | MFU | peak memory | last loss |", "|---|---|---|---|---|---|"]
     for name, s in data["train"].items():
         mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else "n/a"
         peak = f"{s['peak_memory_bytes'] / 2**30:.1f} GiB" if s.get("peak_memory_bytes") else "n/a"
