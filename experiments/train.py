@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", help="a .bin file of token ids (nanoGPT's convention); default: synthetic tokens")
+    p.add_argument("--data", help="a .bin file of token ids (nanoGPT's convention); default: synthetic")
     p.add_argument("--data-dtype", default="uint16", choices=("uint16", "uint32"))
     p.add_argument("--checkpoint-dir", help="save here and resume from the newest checkpoint here")
     p.add_argument("--save-interval", type=int, default=100)
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print the per-device memory plan and exit")
     p.add_argument("--gpus", type=int, help="devices for --dry-run (default: this launch's world size)")
     p.add_argument("--memory-limit-gib", type=float,
-                   help="bytes one device may use (default: the GPU's memory, or available RAM / local ranks)")
+                   help="memory one device may use (default: the GPU's, or available RAM / local ranks)")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: from the device name)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="torch: where to train")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def memory_plan(args: argparse.Namespace, config: ragged.LlamaConfig, world: int) -> ragged.MemoryPlan:
-    """The per-device plan for ``world`` devices; resolves ``--hsdp`` (``auto``: the advisor) into ``replicas``."""
+    """The per-device plan for ``world`` devices; sets ``args.replicas`` from ``--hsdp`` (auto: advisor)."""
     shapes = ragged.llama_shapes(args.model, config)
     granularity = ("tiles" if args.optimizer == "adam8bit" else "rows:1") if args.granularity == "auto" \
         else args.granularity
@@ -87,7 +87,8 @@ def memory_plan(args: argparse.Namespace, config: ragged.LlamaConfig, world: int
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} devices (data parallel)")
     args.replicas = replicas
     return ragged.memory_plan(args.model, config, world, replicas=replicas, granularity=granularity,
-                              dtype=args.dtype, optimizer=args.optimizer, batch_per_device=args.batch // world,
+                              dtype=args.dtype, optimizer=args.optimizer,
+                              batch_per_device=args.batch // world,
                               seq_len=args.seq_len, activation_checkpointing=args.activation_checkpointing,
                               shapes=shapes)
 
@@ -104,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{args.model}: {modelled}", file=sys.stderr)
             print(plan.describe(), file=sys.stderr)
         if plan.total > limit:
-            raise SystemExit(f"out of memory: {args.model} needs about {ragged.gib(plan.total)} per device on "
-                             f"{world} devices, this device has {ragged.gib(limit)}; refused before "
+            raise SystemExit(f"out of memory: {args.model} needs about {ragged.gib(plan.total)} per device "
+                             f"on {world} devices, this device has {ragged.gib(limit)}; refused before "
                              "allocating. Use more devices, --activation-checkpointing, a smaller --batch or "
                              "--seq-len, or adam8bit.")
 

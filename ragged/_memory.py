@@ -96,7 +96,8 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer_state + self.unsharded + self.activations + self.logits
+        return (self.params + self.grads + self.optimizer_state + self.unsharded + self.activations
+                + self.logits)
 
     def rows(self) -> list[tuple[str, int]]:
         return [("parameters (fp32 master shards)", self.params), ("gradients (fp32 shards)", self.grads),
@@ -107,10 +108,11 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """The plan as plain text lines (what ``--dry-run`` prints)."""
-        head = (f"memory plan per device: {self.model} ({self.numel / 1e9:.2f} B params), {self.gpus} devices = "
-                f"{self.replicas} replica(s) x {self.shard_group} shards, {self.granularity}, {self.dtype}, "
-                f"{self.optimizer}, {self.tokens_per_device} tokens/device, activation checkpointing "
-                f"{'on' if self.activation_checkpointing else 'off'}; planner padding {self.padding_ratio:.2%}")
+        head = (f"memory plan per device: {self.model} ({self.numel / 1e9:.2f} B params), {self.gpus} "
+                f"devices = {self.replicas} replica(s) x {self.shard_group} shards, {self.granularity}, "
+                f"{self.dtype}, {self.optimizer}, {self.tokens_per_device} tokens/device, activation "
+                f"checkpointing {'on' if self.activation_checkpointing else 'off'}; planner padding "
+                f"{self.padding_ratio:.2%}")
         width = max(len(name) for name, _ in self.rows())
         return "\n".join([head, *(f"  {name:<{width}}  {gib(b):>10}" for name, b in self.rows())])
 
@@ -127,7 +129,8 @@ def _unit_sizes(shapes: ModelShapes, world: int, granularity: str) -> list[tuple
     for unit in shapes.units:
         key = tuple(shape for _, shape in unit.tensors)
         if key not in planned:
-            lay = plan([TensorSpec(n, s, tile_granularity(s)) for n, s in unit.tensors], world, name=unit.name)
+            specs = [TensorSpec(n, s, tile_granularity(s)) for n, s in unit.tensors]
+            lay = plan(specs, world, name=unit.name)
             planned[key] = (lay.shard_size, lay.total_numel)
     return [planned[tuple(shape for _, shape in unit.tensors)] for unit in shapes.units]
 
@@ -149,7 +152,8 @@ def memory_plan(model: str, c: LlamaConfig, gpus: int, *, replicas: int = 1, gra
     if dtype not in DTYPE_BYTES:
         raise RaggedError(f"memory_plan: dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
     if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise RaggedError(f"memory_plan: optimizer {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_BYTES)}")
+        raise RaggedError(f"memory_plan: optimizer {optimizer!r} is not one of "
+                          f"{sorted(OPTIMIZER_STATE_BYTES)}")
     shapes = shapes or llama_shapes(model, c)
     sizes = _unit_sizes(shapes, gpus // replicas, granularity)
     shard = sum(s for s, _ in sizes)
@@ -167,4 +171,5 @@ def memory_plan(model: str, c: LlamaConfig, gpus: int, *, replicas: int = 1, gra
         tokens_per_device=tokens, activation_checkpointing=activation_checkpointing, numel=shapes.numel,
         padding_ratio=1 - shapes.numel / buffers, params=4 * shard, grads=4 * shard,
         optimizer_state=math.ceil(OPTIMIZER_STATE_BYTES[optimizer] * shard),
-        unsharded=biggest * (2 * cb + cb + 4), activations=activations, logits=tokens * c.vocab_size * (cb + 8))
+        unsharded=biggest * (2 * cb + cb + 4), activations=activations,
+        logits=tokens * c.vocab_size * (cb + 8))

@@ -39,11 +39,14 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
 def start_jax(nproc: int, args: list[str], cache: Path) -> list[subprocess.Popen]:
     """``nproc`` JAX processes joined by explicit coordinator flags, sharing a compilation cache."""
     coordinator = f"localhost:{free_port()}"
-    jax_env = {**env(), "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    jax_env = {**env(), "JAX_COMPILATION_CACHE_DIR": str(cache),
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     return [subprocess.Popen([sys.executable, "-m", "experiments.train", "--stack", "jax", *args,
-                              "--coordinator", coordinator, "--num-processes", str(nproc), "--process-id", str(i)],
-                             cwd=ROOT, env=jax_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              "--coordinator", coordinator, "--num-processes", str(nproc),
+                              "--process-id", str(i)],
+                             cwd=ROOT, env=jax_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
             for i in range(nproc)]
 
 

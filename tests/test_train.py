@@ -99,7 +99,8 @@ def test_memory_plan_closed_forms():
     checkpointed = ragged.memory_plan("llama3-8b", config, 1, seq_len=1024, activation_checkpointing=True)
     assert checkpointed.activations < plan.activations / 10
     # 6 N + 12 L H Q T with N the non-embedding parameters
-    assert ragged.flops_per_token(config, 1024) == 6 * (8_030_261_248 - 128256 * 4096) + 12 * 32 * 32 * 128 * 1024
+    matmul_params = 8_030_261_248 - 128256 * 4096
+    assert ragged.flops_per_token(config, 1024) == 6 * matmul_params + 12 * 32 * 32 * 128 * 1024
     with pytest.raises(ragged.RaggedError, match="3 HSDP replicas must divide 64"):
         ragged.memory_plan("llama3-8b", config, 64, replicas=3)
 
@@ -121,9 +122,9 @@ def test_token_file_rows_are_slices_of_the_file_and_split_over_ranks(tmp_path):
 def test_gpu_bench_exits_clearly_without_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: gpu_bench.sh would run the benchmark")
-    result = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_bench.sh")], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "RESULTS": str(tmp_path),
-                                                         "PYTHON": sys.executable})
+    env = {"PATH": "/usr/bin:/bin", "RESULTS": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_bench.sh")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
     assert "no GPU" in result.stdout + result.stderr
     assert list(tmp_path.iterdir()) == []

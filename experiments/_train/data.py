@@ -33,7 +33,8 @@ class TokenSource:
                 raise FileNotFoundError(f"--data {path!r}: no such token file")
             self.tokens = np.memmap(path, dtype=dtype, mode="r")
             if len(self.tokens) < seq_len + 2:
-                raise ValueError(f"--data {path!r} holds {len(self.tokens)} tokens; a row needs {seq_len + 1}")
+                raise ValueError(f"--data {path!r} holds {len(self.tokens)} tokens; a row needs "
+                                 f"{seq_len + 1}")
 
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of step ``step``'s global batch: int32 ``(stop - start, seq_len + 1)``."""

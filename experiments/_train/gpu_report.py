@@ -30,8 +30,8 @@ def markdown(data: dict) -> str:
     lines = ["# GPU benchmark (`experiments/gpu_bench.sh`)", ""]
     for s in list(data["train"].values())[:1]:
         lines += [f"{s['model']}, {s['dtype']} compute (fp32 master weights and optimizer state), "
-                  f"{s['batch']} x {s['seq_len']} tokens per step, world size 1. Medians over the steps after "
-                  "the first.", ""]
+                  f"{s['batch']} x {s['seq_len']} tokens per step, world size 1. Medians over the steps "
+                  "after the first.", ""]
     lines += ["| run | step time | tokens/s | MFU | peak memory | last loss |", "|---|---|---|---|---|---|"]
     for name, s in data["train"].items():
         mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else "n/a"

@@ -74,7 +74,8 @@ def init_buffers(fsdp, seed: int) -> dict[str, jax.Array]:
 
         def unit_init(layout=layout, first=first) -> jax.Array:
             keys = {t.name: jax.random.fold_in(root, first + i) for i, t in enumerate(layout.tensors)}
-            return pack_unit({t.name: _init_value(t.name, t.shape, keys[t.name]) for t in layout.tensors}, layout)
+            values = {t.name: _init_value(t.name, t.shape, keys[t.name]) for t in layout.tensors}
+            return pack_unit(values, layout)
 
         out[layout.name] = jax.jit(unit_init, out_shardings=sharding)()
     return out
@@ -107,7 +108,8 @@ def optimizer(args, fsdp):
     if args.optimizer == "adamw":
         return optax.adamw(args.lr, weight_decay=args.weight_decay)
     if args.optimizer == "adam8bit":
-        return adamw8bit(args.lr, weight_decay=args.weight_decay, blocks=shard_blocks(fsdp.layouts, fsdp.axis))
+        blocks = shard_blocks(fsdp.layouts, fsdp.axis)
+        return adamw8bit(args.lr, weight_decay=args.weight_decay, blocks=blocks)
     return muon(args.lr, weight_decay=args.weight_decay, plan=muon_plan(fsdp.layouts, fsdp.axis))
 
 
@@ -172,7 +174,8 @@ def run(args, name: str, config: ragged.LlamaConfig, plan_check, settings: dict)
                    batch_sharding.addressable_devices_indices_map((args.batch, args.seq_len)).values()})
     start, stop = rows[0][0], rows[-1][1]  # this process's devices hold consecutive rows
     device = jax.devices()[0]
-    monitor = Monitor(rank0=rank0, steps=args.steps, first_step=first, tokens_per_step=args.batch * args.seq_len,
+    monitor = Monitor(rank0=rank0, steps=args.steps, first_step=first,
+                      tokens_per_step=args.batch * args.seq_len,
                       flops_per_token=ragged.flops_per_token(config, args.seq_len), devices=world,
                       peak=peak_tflops(getattr(device, "device_kind", device.platform), args.peak_tflops),
                       log_path=args.log, show_bar=args.progress)

@@ -31,15 +31,16 @@ def peak_tflops(device_name: str, override: float | None) -> float | None:
 class Monitor:
     """Per-step metrics: a progress bar and a JSON-lines log on rank 0 (no-ops elsewhere)."""
 
-    def __init__(self, *, rank0: bool, steps: int, first_step: int, tokens_per_step: int, flops_per_token: float,
-                 devices: int, peak: float | None, log_path: Path | None, show_bar: bool = True) -> None:
+    def __init__(self, *, rank0: bool, steps: int, first_step: int, tokens_per_step: int,
+                 flops_per_token: float, devices: int, peak: float | None, log_path: Path | None,
+                 show_bar: bool = True) -> None:
         self.rank0, self.tokens_per_step, self.flops_per_token = rank0, tokens_per_step, flops_per_token
         self.devices, self.peak = devices, peak
         self.records: list[dict] = []
         self.log = open(log_path, "a") if rank0 and log_path is not None else None  # noqa: SIM115
         self.console = Console(stderr=True)
-        self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            TextColumn("{task.fields[stats]}"), console=self.console,
+        self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                            TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=self.console,
                             disable=not (rank0 and show_bar))
         self.task = self.bar.add_task("train", total=steps, completed=first_step, stats="")
 

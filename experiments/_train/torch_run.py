@@ -71,8 +71,8 @@ def build(args, config: ragged.LlamaConfig, mesh: DeviceMesh):
     if args.activation_checkpointing:
         for block in model.layers:  # before fully_shard: the recompute runs inside the unit's backward
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bf16" \
-        else None
+    bf16 = args.dtype == "bf16"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     granularity = (lambda name, p: ragged.tile_granularity(tuple(p.shape))) if args.granularity == "auto" \
         and args.optimizer == "adam8bit" else (None if args.granularity == "auto" else args.granularity)
     parallelize(model, mesh, mp_policy=mp, granularity=granularity)
@@ -148,8 +148,8 @@ def load(path: Path, model, opt: torch.optim.Optimizer, optimizer_name: str) -> 
         return
     load_checkpoint(path, model)
     if not _rank_state(path).exists():
-        raise SystemExit(f"{path}: no {optimizer_name} state for rank {dist.get_rank()} (its state is per rank: "
-                         "resume at the world size it was saved with)")
+        raise SystemExit(f"{path}: no {optimizer_name} state for rank {dist.get_rank()} (its state is per "
+                         "rank: resume at the world size it was saved with)")
     opt.load_state_dict(torch.load(_rank_state(path), weights_only=True))
 
 
@@ -169,7 +169,8 @@ def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
         plan_check(world, device_capacity(dev), rank == 0)
         replicas = args.replicas
         mesh = (init_device_mesh(dev.type, (world,), mesh_dim_names=("shard",)) if replicas == 1 else
-                init_device_mesh(dev.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")))
+                init_device_mesh(dev.type, (replicas, world // replicas),
+                                 mesh_dim_names=("replicate", "shard")))
         ckpt_root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         if ckpt_root is not None:
             if rank == 0:
@@ -205,7 +206,8 @@ def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
                 dist.all_reduce(global_loss)
                 loss_value = global_loss.item() / world  # waits for the step's work, on every device
                 step_s = time.perf_counter() - t0
-                monitor.step(step, loss_value, step_s, waited[0], peak_memory(dev), sum(counter.bytes.values()))
+                monitor.step(step, loss_value, step_s, waited[0], peak_memory(dev),
+                             sum(counter.bytes.values()))
                 if args.fail_after_step is not None and step == args.fail_after_step:
                     os._exit(17)  # tests: die like a killed job, without saving or cleaning up
                 done = step + 1
