@@ -342,7 +342,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
     parser.add_argument("--batch", type=int, default=BATCH, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=SEQ)
-    parser.add_argument("--out", default="torch_vs_fsdp2", help="results file stem under experiments/results")
+    parser.add_argument("--out", default="torch_vs_fsdp2",
+                        help="results file stem, under experiments/results unless it is a path")
     args = parser.parse_args()
     config = trained_llama(args.model)[0] if args.model else CONFIG
     _configure(dict(WORLD=args.world, CONFIG=config, BATCH=args.batch, SEQ=args.seq, DEVICE=args.device,
@@ -352,9 +353,10 @@ def main() -> None:
     memory = {kind: _launch("memory", kind, args.warmup, 3) for kind in ("fsdp2", "ours")}
     summary = _summary(timing, memory)
     summary["wall_s"] = time.perf_counter() - t0
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(summary, indent=1))
-    (RESULTS / f"{args.out}.md").write_text(_markdown(summary))
+    out = Path(args.out) if "/" in args.out else RESULTS / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_name(out.name + ".json").write_text(json.dumps(summary, indent=1))
+    out.with_name(out.name + ".md").write_text(_markdown(summary))
     print(_markdown(summary))
     print(f"({summary['wall_s']:.0f} s)")
 
