@@ -43,8 +43,9 @@ def plain_torch_losses(steps: int) -> list[float]:
 
 
 def test_torchrun_two_gloo_processes_match_plain_training_and_resume_bit_exactly(tmp_path):
-    """Killed after step 3 (checkpoint after step 2), relaunched: steps 2 and 3 come out bit-identical to
-    the first launch's, and every step equals plain single-process training."""
+    """Killed after step 3 (checkpoint after steps 0 and 1), relaunched: steps 2 and 3 come out
+    bit-identical to the first launch's (step 3 needs the optimizer state back too), and every step
+    equals plain single-process training."""
     args = [*TINY, "--steps", str(STEPS), "--lr", str(LR), "--weight-decay", str(WD),
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-interval", "2"]
     first = torchrun(2, [*args, "--fail-after-step", "3"])
@@ -60,6 +61,21 @@ def test_torchrun_two_gloo_processes_match_plain_training_and_resume_bit_exactly
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000002", "step_00000004",
                                                                          "step_00000005"]
+
+
+def test_adam8bit_state_resumes_bit_exactly(tmp_path):
+    """8-bit Adam's state (per-rank local tensors, a step count) is saved beside the DCP checkpoint.
+
+    Checkpoint after steps 0 and 1, killed after step 3: step 2's loss needs only the weights back, step 3's
+    also the optimizer state of step 2's update."""
+    args = [sys.executable, "-m", "experiments.train", "--stack", "torch", *TINY, "--optimizer", "adam8bit",
+            "--steps", "4", "--checkpoint-dir", str(tmp_path), "--save-interval", "2"]
+    assert run([*args, "--fail-after-step", "3"]).returncode != 0
+    before = losses(tmp_path / "log.jsonl")
+    resumed = run(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(tmp_path / "log.jsonl")
+    assert [after[2], after[3]] == [before[2], before[3]]
 
 
 def test_a_preset_too_large_is_refused_before_allocating():

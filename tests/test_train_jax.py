@@ -9,7 +9,7 @@ STEPS = 4
 
 
 def test_two_jax_processes_match_one_and_resume_bit_exactly(tmp_path):
-    """One process is the reference; two processes killed after step 2 (checkpoint after step 2) and
+    """One process is the reference; two processes killed after step 3 (checkpoint after steps 0, 1) and
     relaunched give steps 2 and 3 bit-identical to their first launch, and every step equal the reference."""
     args = [*TINY, "--steps", str(STEPS), "--save-interval", "2"]
     two = [*args, "--checkpoint-dir", str(tmp_path / "two")]
