@@ -138,6 +138,22 @@ def load(path: Path, like: tuple) -> tuple:
     return jax.tree.unflatten(treedef, out)
 
 
+def collective_bytes(fsdp) -> int:
+    """Bytes one device's collectives move per step, counted as the torch debug counter does (the whole
+    buffer an all-gather writes or a reduce-scatter reads): each unit gathered in the forward (and again
+    in the backward with remat) in the compute dtype, reduce-scattered in the reduce dtype, and under HSDP
+    its shard's gradient all-reduced over the replicas. The step is one XLA program, so this is read from
+    the Layouts rather than measured."""
+    total = 0
+    for layout in fsdp.layouts:
+        param = jnp.dtype(fsdp.mp.param_dtype or jnp.float32).itemsize
+        reduce = jnp.dtype(fsdp.mp.reduce_dtype or fsdp.mp.param_dtype or jnp.float32).itemsize
+        total += layout.total_numel * (param * (2 if fsdp.remat else 1) + reduce)
+        if fsdp.replica_axis is not None:
+            total += layout.shard_size * reduce
+    return total
+
+
 def _peak_memory() -> int:
     stats = jax.local_devices()[0].memory_stats() or {}
     return int(stats.get("peak_bytes_in_use", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
@@ -149,7 +165,10 @@ def run(args, name: str, config: ragged.LlamaConfig, plan_check, settings: dict)
 
     init_distributed(args)
     world, rank0 = jax.device_count(), jax.process_index() == 0
-    plan_check(world, device_capacity(), rank0)
+    capacity = device_capacity()
+    if jax.process_count() > 1:  # one number on every process: all refuse, or none
+        capacity = int(np.min(multihost_utils.process_allgather(np.int64(capacity))))
+    plan_check(world, capacity, rank0)
     replicas = args.replicas
     mesh = (make_mesh((world,), ("fsdp",)) if replicas == 1 else
             make_mesh((replicas, world // replicas), ("replica", "fsdp")))
@@ -168,6 +187,7 @@ def run(args, name: str, config: ragged.LlamaConfig, plan_check, settings: dict)
         first, path = found
         buffers, state = load(path, (buffers, state))
     step_fn = fsdp.train_step(opt, cross_entropy)
+    comm_bytes = collective_bytes(fsdp)
     data = TokenSource(config.vocab_size, args.seq_len, args.batch, args.seed, args.data, args.data_dtype)
     batch_sharding = NamedSharding(mesh, P(fsdp.data_axes))
     rows = sorted({(s[0].start or 0, s[0].stop or args.batch) for s in
@@ -187,7 +207,7 @@ def run(args, name: str, config: ragged.LlamaConfig, plan_check, settings: dict)
             t0 = time.perf_counter()
             buffers, state, loss = step_fn(buffers, state, x, y)
             loss_value = float(loss)  # waits for the step
-            monitor.step(step, loss_value, time.perf_counter() - t0, None, _peak_memory(), None)
+            monitor.step(step, loss_value, time.perf_counter() - t0, None, _peak_memory(), comm_bytes)
             if args.fail_after_step is not None and step == args.fail_after_step:
                 os._exit(17)
             done = step + 1

@@ -166,7 +166,9 @@ def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
 
     rank, world, dev = init_distributed(args.device)
     try:
-        plan_check(world, device_capacity(dev), rank == 0)
+        capacity = torch.tensor([device_capacity(dev)], dtype=torch.int64, device=dev)
+        dist.all_reduce(capacity, dist.ReduceOp.MIN)  # one number on every rank: all refuse, or none
+        plan_check(world, int(capacity.item()), rank == 0)
         replicas = args.replicas
         mesh = (init_device_mesh(dev.type, (world,), mesh_dim_names=("shard",)) if replicas == 1 else
                 init_device_mesh(dev.type, (replicas, world // replicas),
