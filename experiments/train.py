@@ -96,6 +96,8 @@ def memory_plan(args: argparse.Namespace, config: ragged.LlamaConfig, world: int
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     config, modelled = ragged.trained_llama(args.model)
+    if args.model in ragged.model_names() and "dense llama" in modelled:
+        modelled += f"; the preset itself has {ragged.model_shapes(args.model).numel / 1e9:.1f} B parameters"
 
     def plan_check(world: int, capacity: int, rank0: bool) -> None:
         """Every rank computes the same plan from the same (agreed) capacity, so all refuse or none."""

@@ -108,7 +108,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """The plan as plain text lines (what ``--dry-run`` prints)."""
-        head = (f"memory plan per device: {self.model} ({self.numel / 1e9:.2f} B params), {self.gpus} "
+        size = f"{self.numel / 1e9:.2f} B" if self.numel >= 1e8 else f"{self.numel / 1e6:.2f} M"
+        head = (f"memory plan per device: {self.model} ({size} params), {self.gpus} "
                 f"devices = {self.replicas} replica(s) x {self.shard_group} shards, {self.granularity}, "
                 f"{self.dtype}, {self.optimizer}, {self.tokens_per_device} tokens/device, activation "
                 f"checkpointing {'on' if self.activation_checkpointing else 'off'}; planner padding "
