@@ -16,6 +16,7 @@ def test_two_jax_processes_match_one_and_resume_bit_exactly(tmp_path):
     one = start_jax(1, [*args, "--checkpoint-dir", str(tmp_path / "one")], tmp_path / "cache1")
     first = finish(start_jax(2, [*two, "--fail-after-step", "3"], tmp_path / "cache2"))
     assert all(p.returncode != 0 for p in first)
+    assert (tmp_path / "two" / "log.jsonl").exists(), first[0].stdout[-3000:] + first[1].stdout[-3000:]
     before = losses(tmp_path / "two" / "log.jsonl")
     assert sorted(before) == [0, 1, 2, 3]
     second = finish(start_jax(2, two, tmp_path / "cache2"))
