@@ -166,8 +166,8 @@ def run(args, name: str, config: ragged.LlamaConfig, plan_check, settings: dict)
     init_distributed(args)
     world, rank0 = jax.device_count(), jax.process_index() == 0
     capacity = device_capacity()
-    if jax.process_count() > 1:  # one number on every process: all refuse, or none
-        capacity = int(np.min(multihost_utils.process_allgather(np.int64(capacity))))
+    if jax.process_count() > 1:  # one number on every process: all refuse, or none (MiB: JAX ints are 32-bit)
+        capacity = int(np.min(multihost_utils.process_allgather(np.int32(capacity >> 20)))) << 20
     plan_check(world, capacity, rank0)
     replicas = args.replicas
     mesh = (make_mesh((world,), ("fsdp",)) if replicas == 1 else
