@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "--seq-len, or adam8bit.")
 
     if args.dry_run:
-        gpus = args.gpus or int(__import__("os").environ.get("WORLD_SIZE", 1))
+        gpus = args.gpus or int(os.environ.get("WORLD_SIZE", 1))
         print(f"{args.model}: {modelled}")
         print(memory_plan(args, config, gpus).describe())
         return {}
