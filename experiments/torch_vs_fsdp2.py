@@ -13,9 +13,12 @@ the root, the rule a user applies to their own model). ``reshard_after_forward=T
   calls, minus what the plain model's own forward/backward copies on the same batch;
 - all-gather and reduce-scatter bytes (padding included) from the c10d ops the same meter sees;
 - peak memory per rank: peak RSS minus RSS before building the model, each runtime in its own launch
-  (glibc is told to mmap every allocation above 64 KiB, so freed tensors leave the RSS).
+  (glibc is told to mmap every allocation above 64 KiB, so freed tensors leave the RSS); on CUDA the
+  peak of ``torch.cuda.max_memory_allocated`` above what was allocated before building.
 
     python -m experiments.torch_vs_fsdp2     # writes experiments/results/torch_vs_fsdp2.{json,md}
+    python -m experiments.torch_vs_fsdp2 --device cuda --world 1 --model llama3.2-1b --dtype bf16 \
+        --batch 4 --seq 2048 --out gpu_torch_vs_fsdp2     # one GPU, NCCL (experiments/gpu_bench.sh)
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ragged import LlamaConfig
+from ragged import LlamaConfig, flops_per_token, trained_llama, trained_model_names
 
+# The run's settings; ``--world/--model/--batch/--seq/--device/--dtype`` replace them (in every worker).
 WORLD = 4
 CONFIG = LlamaConfig(vocab_size=8192, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, head_dim=32, ffn_dim=704)
 BATCH, SEQ = 4, 64  # per rank
+DEVICE, DTYPE = "cpu", "fp32"
 RESULTS = Path(__file__).parent / "results"
 MODELS = ("llama", "hf_llama")
 _COPY_OPS = {"copy_", "_to_copy", "clone", "cat", "stack", "split_with_sizes_copy", "_chunk_cat",
@@ -117,11 +122,12 @@ def _rss_bytes() -> int:
 
 
 def _plain(name: str) -> torch.nn.Module:
-    """The unsharded model ``name``, initialised from seed 0."""
+    """The unsharded model ``name`` on the run's device, initialised from seed 0."""
     if name == "llama":
         from torch_backend.models import Llama
 
-        model = Llama(CONFIG)
+        with torch.device(_device()):
+            model = Llama(CONFIG)
         model.init_weights(0)
         return model
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -129,40 +135,54 @@ def _plain(name: str) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(HFLlamaConfig(
-        vocab_size=CONFIG.vocab_size, hidden_size=CONFIG.dim, intermediate_size=CONFIG.ffn_dim,
-        num_hidden_layers=CONFIG.n_layers, num_attention_heads=CONFIG.n_heads,
-        num_key_value_heads=CONFIG.n_kv_heads, head_dim=CONFIG.head_dim, max_position_embeddings=SEQ,
-        tie_word_embeddings=False, attn_implementation="sdpa"))
+    with torch.device(_device()):
+        return LlamaForCausalLM(HFLlamaConfig(
+            vocab_size=CONFIG.vocab_size, hidden_size=CONFIG.dim, intermediate_size=CONFIG.ffn_dim,
+            num_hidden_layers=CONFIG.n_layers, num_attention_heads=CONFIG.n_heads,
+            num_key_value_heads=CONFIG.n_kv_heads, head_dim=CONFIG.head_dim, max_position_embeddings=SEQ,
+            tie_word_embeddings=False, attn_implementation="sdpa"))
 
 
 def _build(name: str, kind: str, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    from torch_backend import fully_shard
+    from torch_backend import MixedPrecisionPolicy, fully_shard
     from torch_backend.models import parallelize
 
     model = _plain(name)
+    dtypes = (torch.bfloat16, torch.float32) if DTYPE == "bf16" else (None, None)
+    ours = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(*dtypes))
+    theirs = dict(mesh=mesh, mp_policy=FSDP2Policy(*dtypes))
     if name == "llama" and kind == "ours":
-        parallelize(model, mesh)
+        parallelize(model, **ours)
     elif name == "llama":
-        fsdp2_fully_shard(model.tok_embeddings, mesh=mesh)
+        fsdp2_fully_shard(model.tok_embeddings, **theirs)
         for block in model.layers:
-            fsdp2_fully_shard(block, mesh=mesh)
-        fsdp2_fully_shard([model.norm, model.output], mesh=mesh)
-        fsdp2_fully_shard(model, mesh=mesh)
+            fsdp2_fully_shard(block, **theirs)
+        fsdp2_fully_shard([model.norm, model.output], **theirs)
+        fsdp2_fully_shard(model, **theirs)
     else:
-        shard = fully_shard if kind == "ours" else fsdp2_fully_shard
+        shard, kwargs = (fully_shard, ours) if kind == "ours" else (fsdp2_fully_shard, theirs)
         for layer in model.model.layers:
-            shard(layer, mesh=mesh)
-        shard(model, mesh=mesh)
+            shard(layer, **kwargs)
+        shard(model, **kwargs)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step * 100 + rank)
-    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=g)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=g).to(_device())
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def _loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -178,6 +198,7 @@ def _step(model, opt, step: int, rank: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     loss = _loss(model, x, y)
     loss.backward()
+    _sync()
     fwd_bwd = time.perf_counter() - t0
     opt.step()
     opt.zero_grad()
@@ -225,25 +246,37 @@ def _timing(name: str, rank: int, mesh, warmup: int, steps: int) -> dict:
 def _memory(name: str, kind: str, mesh, steps: int) -> dict:
     rank = dist.get_rank()
     if name != "llama":
-        _plain(name)  # imports (transformers) before the baseline, so the RSS counts the model only
-    base = _rss_bytes()
+        _plain(name)  # imports (transformers) before the baseline, so the memory counts the model only
+    base = torch.cuda.memory_allocated() if DEVICE == "cuda" else _rss_bytes()
     model, opt = _build(name, kind, mesh)
     for step in range(steps):
         _step(model, opt, step, rank)
+    if DEVICE == "cuda":
+        return {"peak_rss_above_baseline": torch.cuda.max_memory_allocated() - base}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"peak_rss_above_baseline": peak - base}
 
 
-def _worker(rank: int, port: int, name: str, mode: str, kind: str, warmup: int, steps: int, queue) -> None:
+def _configure(setup: dict) -> None:
+    """Replace the module's settings (the parent's arguments, handed to every spawned worker)."""
+    globals().update(setup)
+
+
+def _worker(rank: int, port: int, name: str, mode: str, kind: str, warmup: int, steps: int, queue,
+            setup: dict) -> None:
+    _configure(setup)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_backend  # noqa: F401  (installs the RaggedShard DTensor hooks)
 
     _mark_collectives()
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(DEVICE, (WORLD,))
     result = (_timing(name, rank, mesh, warmup, steps) if mode == "timing"
               else _memory(name, kind, mesh, warmup + steps))
     queue.put((rank, result))
@@ -258,7 +291,8 @@ def _launch(name: str, mode: str, kind: str, warmup: int, steps: int) -> list[di
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the workers: big frees leave the RSS
-    procs = [ctx.Process(target=_worker, args=(r, port, name, mode, kind, warmup, steps, queue))
+    setup = dict(WORLD=WORLD, CONFIG=CONFIG, BATCH=BATCH, SEQ=SEQ, DEVICE=DEVICE, DTYPE=DTYPE)
+    procs = [ctx.Process(target=_worker, args=(r, port, name, mode, kind, warmup, steps, queue, setup))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -270,7 +304,9 @@ def _launch(name: str, mode: str, kind: str, warmup: int, steps: int) -> list[di
 
 def _summary(timing: list[dict], memory: dict[str, list[dict]]) -> dict:
     out = {"world": WORLD, "config": CONFIG.__dict__, "batch_per_rank": [BATCH, SEQ],
-           "torch": torch.__version__}
+           "torch": torch.__version__, "device": DEVICE, "dtype": DTYPE,
+           "device_name": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
+           "tokens_per_step": WORLD * BATCH * SEQ, "flops_per_token": flops_per_token(CONFIG, SEQ)}
     for kind in ("fsdp2", "ours"):
         r0 = timing[0][kind]
         out[kind] = {
@@ -293,11 +329,12 @@ def _summary(timing: list[dict], memory: dict[str, list[dict]]) -> dict:
 
 
 def _markdown(s: dict) -> str:
-    hf = s["hf_llama"]
-    return (_table(s, "project llama; wraps tok_embeddings, each block, [norm, output], root")
-            + "\n## HuggingFace LlamaForCausalLM (untied), the same shapes\n\n"
-            + _table(hf, "transformers LlamaForCausalLM (tie_word_embeddings=False, sdpa); wraps each "
-                         "decoder layer and the root", heading=False))
+    text = _table(s, "project llama; wraps tok_embeddings, each block, [norm, output], root")
+    if "hf_llama" in s:
+        text += ("\n## HuggingFace LlamaForCausalLM (untied), the same shapes\n\n"
+                 + _table(s["hf_llama"], "transformers LlamaForCausalLM (tie_word_embeddings=False, sdpa); "
+                          "wraps each decoder layer and the root", heading=False))
+    return text
 
 
 def _table(s: dict, model: str, heading: bool = True) -> str:
@@ -313,7 +350,9 @@ def _table(s: dict, model: str, heading: bool = True) -> str:
     ]
     c = s["config"]
     lines = [
-        *(["# ragged-fsdp `fully_shard` vs PyTorch FSDP2 (4 gloo processes, CPU)", ""] if heading else []),
+        *([f"# ragged-fsdp `fully_shard` vs PyTorch FSDP2 ({s['world']} "
+            f"{'NCCL' if s['device'] == 'cuda' else 'gloo'} processes, {s['device_name']}, {s['dtype']})",
+            ""] if heading else []),
         f"torch {s['torch']}; {model}; vocab {c['vocab_size']}, dim {c['dim']}, {c['n_layers']} layers, "
         f"{c['n_heads']} heads ({c['n_kv_heads']} kv), ffn {c['ffn_dim']}; batch {s['batch_per_rank'][0]} x "
         f"{s['batch_per_rank'][1]} tokens per rank; reshard_after_forward=True; AdamW.",
@@ -342,18 +381,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--world", type=int, default=WORLD)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=trained_model_names(), help="default: the llama above")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="comma-separated subset of: " + ", ".join(MODELS))
+    parser.add_argument("--out", default="torch_vs_fsdp2",
+                        help="results file stem, under experiments/results unless it is a path")
     args = parser.parse_args()
+    if "llama" not in args.models.split(",") or not set(args.models.split(",")) <= set(MODELS):
+        parser.error(f"--models must include llama and name only {MODELS}, got {args.models!r}")
+    config = trained_llama(args.model)[0] if args.model else CONFIG
+    _configure(dict(WORLD=args.world, CONFIG=config, BATCH=args.batch, SEQ=args.seq, DEVICE=args.device,
+                    DTYPE=args.dtype))
     t0 = time.perf_counter()
     summaries = {}
-    for name in MODELS:
+    for name in args.models.split(","):
         timing = _launch(name, "timing", "both", args.warmup, args.steps)
         memory = {kind: _launch(name, "memory", kind, args.warmup, 3) for kind in ("fsdp2", "ours")}
         summaries[name] = _summary(timing, memory)
-    summary = summaries["llama"] | {"hf_llama": summaries["hf_llama"]}
+    summary = summaries["llama"] | {name: summaries[name] for name in summaries if name != "llama"}
     summary["wall_s"] = time.perf_counter() - t0
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "torch_vs_fsdp2.json").write_text(json.dumps(summary, indent=1))
-    (RESULTS / "torch_vs_fsdp2.md").write_text(_markdown(summary))
+    out = Path(args.out) if "/" in args.out else RESULTS / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_name(out.name + ".json").write_text(json.dumps(summary, indent=1))
+    out.with_name(out.name + ".md").write_text(_markdown(summary))
     print(_markdown(summary))
     print(f"({summary['wall_s']:.0f} s)")
 

@@ -11,6 +11,7 @@ from ragged._drawing import LayoutDrawing, Picture, Segment, draw_layout, draw_p
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
+from ragged._memory import MemoryPlan, flops_per_token, gib, memory_plan, trained_llama, trained_model_names
 from ragged._model_plan import plan_model
 from ragged._muon_roots import (
     NS_COEFFS,
@@ -82,6 +83,12 @@ __all__ = [
     "Layout",
     "LayoutDrawing",
     "LlamaConfig",
+    "MemoryPlan",
+    "memory_plan",
+    "flops_per_token",
+    "gib",
+    "trained_llama",
+    "trained_model_names",
     "load_checkpoint",
     "llama_shapes",
     "model_names",

@@ -1,0 +1,219 @@
+"""The JAX stack of ``experiments.train``: one process per host, a ``Mesh`` over every device, sharded init.
+
+Processes join with ``jax.distributed.initialize()`` (cluster auto-detection: SLURM, Open MPI, TPU pods,
+``JAX_COORDINATOR_ADDRESS``; or explicit ``--coordinator/--num-processes/--process-id``). The model is built
+abstractly (``nnx.eval_shape``, nothing allocated); each unit buffer is then initialised by one jitted
+function whose output is sharded over the mesh, one unit at a time, from per-tensor keys
+``fold_in(seed, index)``: the values are the same at every device count. A checkpoint is each process's
+addressable shards of the buffers and the optimizer state (``process_<i>.npz``), so a resume needs the
+same mesh, and restores every bit.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ragged
+from experiments._train import checkpoints
+from experiments._train.data import TokenSource
+from experiments._train.metrics import Monitor, peak_tflops
+
+_CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
+
+
+def init_distributed(args) -> None:
+    """Join the other processes: explicit flags first, then cluster auto-detection; else run alone."""
+    if args.coordinator or args.num_processes:
+        if not (args.coordinator and args.num_processes and args.process_id is not None):
+            raise SystemExit("--coordinator, --num-processes and --process-id go together")
+        try:  # CPU collectives across processes (newer JAX may default to gloo and drop the option)
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except (AttributeError, KeyError, ValueError):
+            pass
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id, initialization_timeout=120)
+    elif any(k in os.environ for k in _CLUSTER_ENV):
+        jax.distributed.initialize()
+
+
+def device_capacity() -> int:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return available // jax.local_device_count()
+
+
+def _init_value(name: str, shape: tuple[int, ...], key: jax.Array) -> jax.Array:
+    """The flax llama's initial distributions: norms 1, the embedding N(0, 1), matrices N(0, 0.02^2)."""
+    if name.endswith("norm.weight"):
+        return jnp.ones(shape, jnp.float32)
+    std = 1.0 if name.startswith("tok_embeddings") else 0.02
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def init_buffers(fsdp, seed: int) -> dict[str, jax.Array]:
+    """Every unit buffer, sharded as it is created; one jitted init per unit."""
+    from jax_backend import pack_unit
+
+    sharding = NamedSharding(fsdp.mesh, P(fsdp.axis))
+    root, index, out = jax.random.key(seed), 0, {}
+    for layout in fsdp.layouts:
+        first, index = index, index + len(layout.tensors)
+
+        def unit_init(layout=layout, first=first) -> jax.Array:
+            keys = {t.name: jax.random.fold_in(root, first + i) for i, t in enumerate(layout.tensors)}
+            values = {t.name: _init_value(t.name, t.shape, keys[t.name]) for t in layout.tensors}
+            return pack_unit(values, layout)
+
+        out[layout.name] = jax.jit(unit_init, out_shardings=sharding)()
+    return out
+
+
+def build(args, name: str, config: ragged.LlamaConfig, mesh, replicas: int):
+    from flax import nnx
+
+    from jax_backend import FSDP, MixedPrecision, plan_units
+    from jax_backend.models import Llama
+    from jax_backend.models.parallelize import llama_stages
+
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))  # shapes only, nothing allocated
+    if args.granularity == "auto":
+        granularity = (lambda fqn, shape: ragged.tile_granularity(shape)) if args.optimizer == "adam8bit" \
+            else "rows:1"
+    else:
+        granularity = args.granularity
+    layouts = plan_units(ragged.llama_shapes(name, config).units, mesh.shape["fsdp"], granularity=granularity)
+    mp = MixedPrecision(jnp.bfloat16, jnp.float32) if args.dtype == "bf16" else MixedPrecision()
+    return FSDP(mesh, layouts, llama_stages(abstract), axis="fsdp",
+                replica_axis="replica" if replicas > 1 else None, mp=mp, remat=args.activation_checkpointing)
+
+
+def optimizer(args, fsdp):
+    import optax
+
+    from jax_backend.optim import adamw8bit, muon, muon_plan, shard_blocks
+
+    if args.optimizer == "adamw":
+        return optax.adamw(args.lr, weight_decay=args.weight_decay)
+    if args.optimizer == "adam8bit":
+        blocks = shard_blocks(fsdp.layouts, fsdp.axis)
+        return adamw8bit(args.lr, weight_decay=args.weight_decay, blocks=blocks)
+    return muon(args.lr, weight_decay=args.weight_decay, plan=muon_plan(fsdp.layouts, fsdp.axis))
+
+
+# ----- checkpoints: each process's addressable shards ----------------------------------------------------
+def save(path: Path, state: tuple) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for i, leaf in enumerate(jax.tree.leaves(state)):
+        for shard in leaf.addressable_shards:
+            arrays[f"{i}_{shard.device.id}"] = np.asarray(shard.data)
+    np.savez(partial / f"process_{jax.process_index()}.npz", **arrays)
+    multihost_utils.sync_global_devices(f"saved {path}")
+    if jax.process_index() == 0:
+        os.rename(partial, path)
+    multihost_utils.sync_global_devices(f"renamed {path}")
+
+
+def load(path: Path, like: tuple) -> tuple:
+    stored = np.load(path / f"process_{jax.process_index()}.npz")
+    leaves, treedef = jax.tree.flatten(like)
+    out = []
+    for i, leaf in enumerate(leaves):
+        shards = [jax.device_put(stored[f"{i}_{s.device.id}"], s.device) for s in leaf.addressable_shards]
+        out.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards))
+    return jax.tree.unflatten(treedef, out)
+
+
+def collective_bytes(fsdp) -> int:
+    """Bytes one device's collectives move per step, counted as the torch debug counter does (the whole
+    buffer an all-gather writes or a reduce-scatter reads): each unit gathered in the forward (and again
+    in the backward with remat) in the compute dtype, reduce-scattered in the reduce dtype, and under HSDP
+    its shard's gradient all-reduced over the replicas. The step is one XLA program, so this is read from
+    the Layouts rather than measured."""
+    total = 0
+    for layout in fsdp.layouts:
+        param = jnp.dtype(fsdp.mp.param_dtype or jnp.float32).itemsize
+        reduce = jnp.dtype(fsdp.mp.reduce_dtype or fsdp.mp.param_dtype or jnp.float32).itemsize
+        total += layout.total_numel * (param * (2 if fsdp.remat else 1) + reduce)
+        if fsdp.replica_axis is not None:
+            total += layout.shard_size * reduce
+    return total
+
+
+def _peak_memory() -> int:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return int(stats.get("peak_bytes_in_use", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+
+
+def run(args, name: str, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
+    from jax_backend import make_mesh
+    from jax_backend.models import cross_entropy
+
+    init_distributed(args)
+    world, rank0 = jax.device_count(), jax.process_index() == 0
+    capacity = device_capacity()
+    if jax.process_count() > 1:  # one number on every process: all refuse, or none (MiB: JAX ints are 32-bit)
+        capacity = int(np.min(multihost_utils.process_allgather(np.int32(capacity >> 20)))) << 20
+    plan_check(world, capacity, rank0)
+    replicas = args.replicas
+    mesh = (make_mesh((world,), ("fsdp",)) if replicas == 1 else
+            make_mesh((replicas, world // replicas), ("replica", "fsdp")))
+    ckpt_root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if ckpt_root is not None:
+        if rank0:
+            checkpoints.check_settings(ckpt_root, settings, write=True)
+        multihost_utils.sync_global_devices("settings")
+        checkpoints.check_settings(ckpt_root, settings, write=False)
+    fsdp = build(args, name, config, mesh, replicas)
+    opt = optimizer(args, fsdp)
+    buffers = init_buffers(fsdp, args.seed)
+    state = fsdp.init(opt, buffers)
+    first = 0
+    if (found := checkpoints.latest(ckpt_root)) is not None:
+        first, path = found
+        buffers, state = load(path, (buffers, state))
+    step_fn = fsdp.train_step(opt, cross_entropy)
+    comm_bytes = collective_bytes(fsdp)
+    data = TokenSource(config.vocab_size, args.seq_len, args.batch, args.seed, args.data, args.data_dtype)
+    batch_sharding = NamedSharding(mesh, P(fsdp.data_axes))
+    rows = sorted({(s[0].start or 0, s[0].stop or args.batch) for s in
+                   batch_sharding.addressable_devices_indices_map((args.batch, args.seq_len)).values()})
+    start, stop = rows[0][0], rows[-1][1]  # this process's devices hold consecutive rows
+    device = jax.devices()[0]
+    monitor = Monitor(rank0=rank0, steps=args.steps, first_step=first,
+                      tokens_per_step=args.batch * args.seq_len,
+                      flops_per_token=ragged.flops_per_token(config, args.seq_len), devices=world,
+                      peak=peak_tflops(getattr(device, "device_kind", device.platform), args.peak_tflops),
+                      log_path=args.log, show_bar=args.progress)
+    with monitor:
+        for step in range(first, args.steps):
+            tokens = data.rows(step, start, stop)
+            x, y = (jax.make_array_from_process_local_data(batch_sharding, a, (args.batch, args.seq_len))
+                    for a in (tokens[:, :-1], tokens[:, 1:]))
+            t0 = time.perf_counter()
+            buffers, state, loss = step_fn(buffers, state, x, y)
+            loss_value = float(loss)  # waits for the step
+            monitor.step(step, loss_value, time.perf_counter() - t0, None, _peak_memory(), comm_bytes)
+            if args.fail_after_step is not None and step == args.fail_after_step:
+                os._exit(17)
+            done = step + 1
+            if ckpt_root is not None and (done % args.save_interval == 0 or done == args.steps):
+                save(checkpoints.step_dir(ckpt_root, done), (buffers, state))
+    summary = monitor.print_summary(f"JAX, {world} device(s) in {jax.process_count()} process(es)")
+    if jax.process_count() > 1:
+        jax.distributed.shutdown()
+    return summary

@@ -1,0 +1,220 @@
+"""The torch stack of ``experiments.train``: torchrun processes, meta-device model, ``fully_shard``, DCP.
+
+Launched by ``torchrun`` (or as one plain process): NCCL with one GPU per process (``LOCAL_RANK``) when CUDA
+is there, gloo on CPU otherwise. The model is built on the meta device and sharded; its values are then
+written one FSDP unit at a time (``unsharded(unit)`` + ``Llama.init_weights(only=...)``), so a rank holds
+its shards plus at most one unit in full, and the values equal a single-process init with the same seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import os
+import resource
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.checkpoint import checkpoint
+
+import ragged
+from experiments._train import checkpoints
+from experiments._train.data import TokenSource
+from experiments._train.metrics import Monitor, peak_tflops
+
+
+def init_distributed(device: str) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes (or a 1-process group); returns rank, world, device."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = datetime.timedelta(minutes=10)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=dev if use_cuda else None)
+    else:  # one plain process: a private file store, no port to pick
+        store = dist.FileStore(tempfile.mktemp(prefix="ragged-train-"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def device_capacity(dev: torch.device) -> int:
+    """Bytes one rank may use: the GPU's memory, or the host's available memory over its local ranks."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[1]
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def build(args, config: ragged.LlamaConfig, mesh: DeviceMesh):
+    """Meta-device llama -> activation checkpointing -> ``parallelize`` -> values one unit at a time."""
+    from torch_backend import MixedPrecisionPolicy, unsharded
+    from torch_backend.models import Llama, parallelize
+
+    with torch.device("meta"):
+        model = Llama(config)
+    if args.activation_checkpointing:
+        for block in model.layers:  # before fully_shard: the recompute runs inside the unit's backward
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    bf16 = args.dtype == "bf16"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    granularity = (lambda name, p: ragged.tile_granularity(tuple(p.shape))) if args.granularity == "auto" \
+        and args.optimizer == "adam8bit" else (None if args.granularity == "auto" else args.granularity)
+    parallelize(model, mesh, mp_policy=mp, granularity=granularity)
+    for unit in [model.tok_embeddings, *model.layers, model.norm]:  # norm: the [norm, output] unit
+        names = {f"{prefix}.{n}" for prefix, m in _unit_modules(model, unit) for n, _ in m.named_parameters()}
+        with unsharded(unit):
+            model.init_weights(args.seed, only=names)
+    return model
+
+
+def _unit_modules(model, unit) -> list:
+    if unit is model.norm:
+        return [("norm", model.norm), ("output", model.output)]
+    return [(name, m) for name, m in model.named_modules() if m is unit]
+
+
+def optimizer(args, model) -> torch.optim.Optimizer:
+    from torch_backend.optim import Adam8bit, Muon
+
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if args.optimizer == "adam8bit":
+        return Adam8bit(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    return Muon(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+
+@contextlib.contextmanager
+def comm_wait_timer() -> Iterator[list[float]]:
+    """Host seconds spent blocked in ``Pending.wait`` (exposed communication; on CUDA the host does not
+    block on the collective itself, so there this is a lower bound)."""
+    from torch_backend import _collectives
+
+    spent = [0.0]
+    original = _collectives.Pending.wait
+
+    def timed(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            original(self)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    _collectives.Pending.wait = timed
+    try:
+        yield spent
+    finally:
+        _collectives.Pending.wait = original
+
+
+def _rank_state(path: Path) -> Path:
+    return path.with_name(path.name + ".optim") / f"rank_{dist.get_rank()}.pt"
+
+
+def save(path: Path, model, opt: torch.optim.Optimizer, optimizer_name: str) -> None:
+    """The model (and AdamW's state) through DCP, reshardable; 8-bit Adam's and Muon's state, which are
+    local tensors per rank (not shaped like the parameters), as each rank's ``state_dict`` beside it,
+    written first: ``step_<N>`` appears last, complete."""
+    from torch_backend import save_checkpoint
+
+    if optimizer_name == "adamw":
+        save_checkpoint(path, model, opt)
+        return
+    _rank_state(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(opt.state_dict(), _rank_state(path))
+    save_checkpoint(path, model)
+
+
+def load(path: Path, model, opt: torch.optim.Optimizer, optimizer_name: str) -> None:
+    from torch_backend import load_checkpoint
+
+    if optimizer_name == "adamw":
+        load_checkpoint(path, model, opt)
+        return
+    load_checkpoint(path, model)
+    if not _rank_state(path).exists():
+        raise SystemExit(f"{path}: no {optimizer_name} state for rank {dist.get_rank()} (its state is per "
+                         "rank: resume at the world size it was saved with)")
+    opt.load_state_dict(torch.load(_rank_state(path), weights_only=True))
+
+
+def peak_memory(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
+    """Train; ``plan_check(world, capacity)`` refuses a run that does not fit, before anything is built."""
+    from torch_backend import debug_counter
+    from torch_backend.models import cross_entropy
+
+    rank, world, dev = init_distributed(args.device)
+    try:
+        capacity = torch.tensor([device_capacity(dev)], dtype=torch.int64, device=dev)
+        dist.all_reduce(capacity, dist.ReduceOp.MIN)  # one number on every rank: all refuse, or none
+        plan_check(world, int(capacity.item()), rank == 0)
+        replicas = args.replicas
+        mesh = (init_device_mesh(dev.type, (world,), mesh_dim_names=("shard",)) if replicas == 1 else
+                init_device_mesh(dev.type, (replicas, world // replicas),
+                                 mesh_dim_names=("replicate", "shard")))
+        ckpt_root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+        if ckpt_root is not None:
+            if rank == 0:
+                checkpoints.check_settings(ckpt_root, settings, write=True)
+            dist.barrier()
+            checkpoints.check_settings(ckpt_root, settings, write=False)
+        model = build(args, config, mesh)
+        opt = optimizer(args, model)
+        first = 0
+        if (found := checkpoints.latest(ckpt_root)) is not None:
+            first, path = found
+            load(path, model, opt, args.optimizer)
+        data = TokenSource(config.vocab_size, args.seq_len, args.batch, args.seed, args.data, args.data_dtype)
+        rows = args.batch // world
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        monitor = Monitor(rank0=rank == 0, steps=args.steps, first_step=first,
+                          tokens_per_step=args.batch * args.seq_len,
+                          flops_per_token=ragged.flops_per_token(config, args.seq_len), devices=world,
+                          peak=peak_tflops(name, args.peak_tflops), log_path=args.log, show_bar=args.progress)
+        with monitor, comm_wait_timer() as waited:
+            for step in range(first, args.steps):
+                tokens = torch.from_numpy(data.rows(step, rank * rows, (rank + 1) * rows)).long().to(dev)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                waited[0] = 0.0
+                t0 = time.perf_counter()
+                with debug_counter() as counter:
+                    loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                global_loss = loss.detach().float().clone()
+                dist.all_reduce(global_loss)
+                loss_value = global_loss.item() / world  # waits for the step's work, on every device
+                step_s = time.perf_counter() - t0
+                monitor.step(step, loss_value, step_s, waited[0], peak_memory(dev),
+                             sum(counter.bytes.values()))
+                if args.fail_after_step is not None and step == args.fail_after_step:
+                    os._exit(17)  # tests: die like a killed job, without saving or cleaning up
+                done = step + 1
+                if ckpt_root is not None and (done % args.save_interval == 0 or done == args.steps):
+                    save(checkpoints.step_dir(ckpt_root, done), model, opt, args.optimizer)
+        return monitor.print_summary(f"torch, {world} {dev.type} process(es)")
+    finally:
+        dist.destroy_process_group()

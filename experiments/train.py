@@ -1,0 +1,138 @@
+"""Train a llama at any preset's size with ragged-fsdp, on PyTorch or on JAX: one entry point for clusters.
+
+    torchrun --nnodes N --nproc-per-node 8 -m experiments.train --stack torch --model llama3-8b ...
+    python -m experiments.train --stack jax --model llama3-8b ...        # one process per host
+    python -m experiments.train --model llama3-70b --gpus 256 --dry-run  # the per-device memory plan
+
+Before anything is built, every rank plans the model's units for its shard group and estimates what one
+device holds (``ragged.memory_plan``); a run that does not fit is refused with that estimate. Then each
+rank builds only its shards (torch: meta device, ``fully_shard``, init one unit at a time; JAX: abstract
+model, one sharded jitted init per unit), trains on synthetic tokens or a ``.bin`` token file, shows a
+progress bar with loss, tokens/s, MFU and peak memory, writes a JSON line per step, and checkpoints every
+``--save-interval`` steps; a relaunch with the same ``--checkpoint-dir`` resumes from the newest one.
+Models: see ``ragged.trained_model_names()`` (mixture-of-experts presets train a dense stand-in, see
+``ragged.trained_llama``). Cluster recipes: docs/cluster.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import ragged
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stack", choices=("torch", "jax"), default="torch")
+    p.add_argument("--model", default="llama-tiny", choices=ragged.trained_model_names())
+    p.add_argument("--hsdp", default="1", help="HSDP replica count R (shard over world/R devices), or 'auto' "
+                   "for the advisor's choice (ragged advise)")
+    p.add_argument("--granularity", default="auto",
+                   help="matrix granularity (rows:N, tiles:RxC, element, ...); auto: rows:1, 32x32 tiles for "
+                        "adam8bit")
+    p.add_argument("--optimizer", choices=("adamw", "adam8bit", "muon"), default="adamw")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="compute dtype (master weights and optimizer state stay fp32)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in the backward")
+    p.add_argument("--batch", type=int, default=8, help="global batch in sequences (all devices together)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", help="a .bin file of token ids (nanoGPT's convention); default: synthetic")
+    p.add_argument("--data-dtype", default="uint16", choices=("uint16", "uint32"))
+    p.add_argument("--checkpoint-dir", help="save here and resume from the newest checkpoint here")
+    p.add_argument("--save-interval", type=int, default=100)
+    p.add_argument("--log", type=Path, help="JSON lines, one per step (default: <checkpoint-dir>/log.jsonl)")
+    p.add_argument("--summary", type=Path, help="write the final summary here as JSON")
+    p.add_argument("--dry-run", action="store_true", help="print the per-device memory plan and exit")
+    p.add_argument("--gpus", type=int, help="devices for --dry-run (default: this launch's world size)")
+    p.add_argument("--memory-limit-gib", type=float,
+                   help="memory one device may use (default: the GPU's, or available RAM / local ranks)")
+    p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: from the device name)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="torch: where to train")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--coordinator", help="JAX: coordinator host:port (when the cluster is not auto-detected)")
+    p.add_argument("--num-processes", type=int, help="JAX: number of processes")
+    p.add_argument("--process-id", type=int, help="JAX: this process's index")
+    p.add_argument("--fail-after-step", type=int, help=argparse.SUPPRESS)  # tests: die like a killed job
+    args = p.parse_args(argv)
+    if args.log is None and args.checkpoint_dir:
+        args.log = Path(args.checkpoint_dir) / "log.jsonl"
+    if args.save_interval < 1:
+        p.error("--save-interval must be at least 1")
+    return args
+
+
+def memory_plan(args: argparse.Namespace, config: ragged.LlamaConfig, world: int) -> ragged.MemoryPlan:
+    """The per-device plan for ``world`` devices; sets ``args.replicas`` from ``--hsdp`` (auto: advisor)."""
+    shapes = ragged.llama_shapes(args.model, config)
+    granularity = ("tiles" if args.optimizer == "adam8bit" else "rows:1") if args.granularity == "auto" \
+        else args.granularity
+    if args.hsdp == "auto":
+        advice = ragged.advise(shapes, world, granularity)  # the runtimes keep one unit per layer: merge 1
+        fits = [o for o in advice.options if o.merge == 1 and o.padding_ratio <= advice.max_padding]
+        replicas = max(fits, key=lambda o: o.group_size).replicas if fits else 1
+    else:
+        replicas = int(args.hsdp)
+    if replicas < 1 or world % replicas:
+        raise SystemExit(f"--hsdp {replicas}: the replica count must divide the {world} devices")
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} devices (data parallel)")
+    args.replicas = replicas
+    return ragged.memory_plan(args.model, config, world, replicas=replicas, granularity=granularity,
+                              dtype=args.dtype, optimizer=args.optimizer,
+                              batch_per_device=args.batch // world,
+                              seq_len=args.seq_len, activation_checkpointing=args.activation_checkpointing,
+                              shapes=shapes)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    config, modelled = ragged.trained_llama(args.model)
+    if args.model in ragged.model_names() and "dense llama" in modelled:
+        modelled += f"; the preset itself has {ragged.model_shapes(args.model).numel / 1e9:.1f} B parameters"
+
+    def plan_check(world: int, capacity: int, rank0: bool) -> None:
+        """Every rank computes the same plan from the same (agreed) capacity, so all refuse or none."""
+        plan = memory_plan(args, config, world)
+        limit = int(args.memory_limit_gib * 2**30) if args.memory_limit_gib else capacity
+        if rank0:
+            print(f"{args.model}: {modelled}", file=sys.stderr)
+            print(plan.describe(), file=sys.stderr)
+        if plan.total > limit:
+            raise SystemExit(f"out of memory: {args.model} needs about {ragged.gib(plan.total)} per device "
+                             f"on {world} devices, this device has {ragged.gib(limit)}; refused before "
+                             "allocating. Use more devices, --activation-checkpointing, a smaller --batch or "
+                             "--seq-len, or adam8bit.")
+
+    if args.dry_run:
+        gpus = args.gpus or int(os.environ.get("WORLD_SIZE", 1))
+        print(f"{args.model}: {modelled}")
+        print(memory_plan(args, config, gpus).describe())
+        return {}
+    settings = {k: getattr(args, k) for k in ("stack", "model", "hsdp", "granularity", "optimizer", "lr",
+                                              "weight_decay", "dtype", "batch", "seq_len", "seed", "data")}
+    if args.stack == "torch":
+        from experiments._train import torch_run
+
+        summary = torch_run.run(args, config, plan_check, settings)
+    else:
+        from experiments._train import jax_run
+
+        summary = jax_run.run(args, args.model, config, plan_check, settings)
+    if args.summary is not None and summary:
+        run = {k: getattr(args, k) for k in ("model", "stack", "optimizer", "dtype", "batch", "seq_len")}
+        args.summary.write_text(json.dumps({**run, **summary}, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Launching ``experiments.train`` from the tests: torchrun, JAX processes, and reading the JSON-lines log."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+TINY = ["--model", "llama-tiny", "--dtype", "fp32", "--batch", "8", "--seq-len", "32", "--no-progress"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(devices: int = 1) -> dict:
+    """One thread per process; JAX processes own ``devices`` host CPU devices (not the test run's 8)."""
+    out = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    out.pop("WORLD_SIZE", None)
+    return out
+
+
+def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                "--master-port", str(free_port()), "-m", "experiments.train", "--stack", "torch", *args])
+
+
+def start_jax(nproc: int, args: list[str], cache: Path) -> list[subprocess.Popen]:
+    """``nproc`` JAX processes joined by explicit coordinator flags, sharing a compilation cache."""
+    coordinator = f"localhost:{free_port()}"
+    jax_env = {**env(), "JAX_COMPILATION_CACHE_DIR": str(cache),
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return [subprocess.Popen([sys.executable, "-m", "experiments.train", "--stack", "jax", *args,
+                              "--coordinator", coordinator, "--num-processes", str(nproc),
+                              "--process-id", str(i)],
+                             cwd=ROOT, env=jax_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+            for i in range(nproc)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Wait for every process (all are killed if one times out)."""
+    out = []
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, ""))
+    finally:
+        for p in procs:
+            p.kill()
+    return out
+
+
+def losses(log: Path) -> dict[int, float]:
+    """``{step: loss}`` from a log; a step logged twice (before a crash and after resuming) keeps the last."""
+    return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+
+
+def log_records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]

@@ -1,0 +1,146 @@
+"""``experiments.train`` on the torch stack, its memory plan and its data, on CPU.
+
+The distributed runs are checked against plain single-process training (an unsharded ``Llama``, the same
+init and batches, ``torch.optim.AdamW``), and a run killed after a checkpoint must resume bit for bit.
+"""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from _train_launch import ROOT, TINY, losses, run, torchrun
+
+import ragged
+from experiments._train.data import TokenSource
+from experiments.train import main
+
+STEPS, LR, WD = 5, 3e-3, 0.1
+
+
+def plain_torch_losses(steps: int) -> list[float]:
+    """The reference: one process, no sharding, the run's init (``init_weights(0)``) and batches."""
+    from torch_backend.models import Llama, cross_entropy
+
+    torch.manual_seed(0)
+    model = Llama(ragged.LLAMA_TINY)
+    model.init_weights(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    data = TokenSource(ragged.LLAMA_TINY.vocab_size, 32, 8, seed=0)
+    out = []
+    for step in range(steps):
+        tokens = torch.from_numpy(data.rows(step, 0, 8)).long()
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def test_torchrun_two_gloo_processes_match_plain_training_and_resume_bit_exactly(tmp_path):
+    """Killed after step 3 (checkpoint after steps 0 and 1), relaunched: steps 2 and 3 come out
+    bit-identical to the first launch's (step 3 needs the optimizer state back too), and every step
+    equals plain single-process training."""
+    args = [*TINY, "--steps", str(STEPS), "--lr", str(LR), "--weight-decay", str(WD),
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    first = torchrun(2, [*args, "--fail-after-step", "3"])
+    assert first.returncode != 0
+    before = losses(tmp_path / "ckpt" / "log.jsonl")
+    assert sorted(before) == [0, 1, 2, 3]
+    second = torchrun(2, args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    after = losses(tmp_path / "ckpt" / "log.jsonl")
+    assert [after[s] for s in (2, 3)] == [before[s] for s in (2, 3)]  # resumed bit for bit
+    want = plain_torch_losses(STEPS)
+    got = [after[s] for s in range(STEPS)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000002", "step_00000004",
+                                                                         "step_00000005"]
+
+
+def test_adam8bit_state_resumes_bit_exactly(tmp_path):
+    """8-bit Adam's state (per-rank local tensors, a step count) is saved beside the DCP checkpoint.
+
+    Checkpoint after steps 0 and 1, killed after step 3: step 2's loss needs only the weights back, step 3's
+    also the optimizer state of step 2's update."""
+    args = [sys.executable, "-m", "experiments.train", "--stack", "torch", *TINY, "--optimizer", "adam8bit",
+            "--steps", "4", "--checkpoint-dir", str(tmp_path), "--save-interval", "2"]
+    assert run([*args, "--fail-after-step", "3"]).returncode != 0
+    before = losses(tmp_path / "log.jsonl")
+    resumed = run(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(tmp_path / "log.jsonl")
+    assert [after[2], after[3]] == [before[2], before[3]]
+
+
+def test_a_preset_too_large_is_refused_before_allocating():
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    result = run([sys.executable, "-m", "experiments.train", "--stack", "torch", "--model", "llama3-405b",
+                  "--no-progress", "--steps", "1"])
+    assert result.returncode != 0
+    assert "out of memory: llama3-405b needs about" in result.stderr
+    assert "refused before allocating" in result.stderr
+    # The process never came near the model's size (405 B parameters are 1.6 TB in fp32).
+    assert max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) < 4 * 2**20  # KiB: 4 GiB
+
+
+def test_dry_run_prints_the_plan_of_the_core(capsys):
+    main(["--model", "llama3-70b", "--gpus", "64", "--seq-len", "8192", "--batch", "64",
+          "--activation-checkpointing", "--dry-run"])
+    printed = capsys.readouterr().out
+    config, _ = ragged.trained_llama("llama3-70b")
+    plan = ragged.memory_plan("llama3-70b", config, 64, seq_len=8192, batch_per_device=1,
+                              activation_checkpointing=True)
+    assert plan.describe() in printed
+    assert "64 devices = 1 replica(s) x 64 shards" in printed and "total per device" in printed
+
+
+def test_memory_plan_closed_forms():
+    """One device holds the whole model unpadded: 4 + 4 + 8 bytes per parameter under AdamW."""
+    config, _ = ragged.trained_llama("llama3-8b")
+    plan = ragged.memory_plan("llama3-8b", config, 1, optimizer="adamw", seq_len=1024)
+    assert plan.numel == 8_030_261_248  # Meta's published count for Llama 3 8B
+    assert (plan.params, plan.grads, plan.optimizer_state) == (4 * plan.numel, 4 * plan.numel, 8 * plan.numel)
+    assert plan.unsharded == (128256 * 4096 + 4096) * (3 * 2 + 4)  # the output unit (norm + head) is largest
+    assert plan.logits == 1024 * 128256 * (2 + 8)
+    sharded = ragged.memory_plan("llama3-8b", config, 64, replicas=2, optimizer="adam8bit", seq_len=1024)
+    assert sharded.shard_group == 32
+    shard = sum(lay.shard_size for lay in ragged.plan_model(ragged.llama_shapes("llama3-8b", config), 32))
+    assert sharded.params == 4 * shard and sharded.optimizer_state == int(np.ceil(2.0078125 * shard))
+    checkpointed = ragged.memory_plan("llama3-8b", config, 1, seq_len=1024, activation_checkpointing=True)
+    assert checkpointed.activations < plan.activations / 10
+    # 6 N + 12 L H Q T with N the non-embedding parameters
+    matmul_params = 8_030_261_248 - 128256 * 4096
+    assert ragged.flops_per_token(config, 1024) == 6 * matmul_params + 12 * 32 * 32 * 128 * 1024
+    with pytest.raises(ragged.RaggedError, match="3 HSDP replicas must divide 64"):
+        ragged.memory_plan("llama3-8b", config, 64, replicas=3)
+
+
+def test_token_file_rows_are_slices_of_the_file_and_split_over_ranks(tmp_path):
+    tokens = np.random.default_rng(1).integers(0, 1000, 5000).astype(np.uint16)
+    path = tmp_path / "train.bin"
+    tokens.tofile(path)
+    data = TokenSource(1000, 16, 6, seed=3, path=str(path))
+    rows = data.rows(7, 0, 6)
+    offsets = np.random.default_rng([3, 7]).integers(0, 5000 - 17, 6)
+    np.testing.assert_array_equal(rows, np.stack([tokens[o:o + 17] for o in offsets]))
+    np.testing.assert_array_equal(np.concatenate([data.rows(7, 0, 2), data.rows(7, 2, 6)]), rows)
+    assert not np.array_equal(data.rows(8, 0, 6), rows)
+    with pytest.raises(ValueError, match="token id .* is not below the model's vocabulary of 10"):
+        TokenSource(10, 16, 6, path=str(path)).rows(0, 0, 6)
+
+
+def test_gpu_bench_exits_clearly_without_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: gpu_bench.sh would run the benchmark")
+    env = {"PATH": "/usr/bin:/bin", "RESULTS": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_bench.sh")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert "no GPU" in result.stdout + result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,29 @@
+"""``experiments.train --stack jax``: two JAX processes (``jax.distributed``) against one, and resuming."""
+
+from __future__ import annotations
+
+import numpy as np
+from _train_launch import TINY, finish, losses, start_jax
+
+STEPS = 4
+
+
+def test_two_jax_processes_match_one_and_resume_bit_exactly(tmp_path):
+    """One process is the reference; two processes killed after step 3 (checkpoint after steps 0, 1) and
+    relaunched give steps 2 and 3 bit-identical to their first launch, and every step equal the reference."""
+    args = [*TINY, "--steps", str(STEPS), "--save-interval", "2"]
+    two = [*args, "--checkpoint-dir", str(tmp_path / "two")]
+    one = start_jax(1, [*args, "--checkpoint-dir", str(tmp_path / "one")], tmp_path / "cache1")
+    first = finish(start_jax(2, [*two, "--fail-after-step", "3"], tmp_path / "cache2"))
+    assert all(p.returncode != 0 for p in first)
+    assert (tmp_path / "two" / "log.jsonl").exists(), first[0].stdout[-3000:] + first[1].stdout[-3000:]
+    before = losses(tmp_path / "two" / "log.jsonl")
+    assert sorted(before) == [0, 1, 2, 3]
+    second = finish(start_jax(2, two, tmp_path / "cache2"))
+    assert all(p.returncode == 0 for p in second), second[0].stdout[-3000:]
+    after = losses(tmp_path / "two" / "log.jsonl")
+    assert [after[s] for s in (2, 3)] == [before[s] for s in (2, 3)]  # resumed bit for bit
+    (reference,) = finish(one)
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    want = losses(tmp_path / "one" / "log.jsonl")
+    np.testing.assert_allclose([after[s] for s in range(STEPS)], [want[s] for s in range(STEPS)], rtol=1e-5)
