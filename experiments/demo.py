@@ -133,7 +133,7 @@ def jax_fsdp(world_size: int, steps: int, init: Path, workdir: Path) -> list[flo
                XLA_FLAGS=f"--xla_force_host_platform_device_count={world_size}")
     subprocess.run([sys.executable, "-m", "experiments.demo", "--jax-worker", "--world-size", str(world_size),
                     "--steps", str(steps), "--init", str(init), "--workdir", str(workdir)],
-                   env=env, check=True)
+                   env=env, check=True, cwd=Path(__file__).resolve().parents[1])  # `-m` works from any cwd
     return json.loads((workdir / "jax_losses.json").read_text())
 
 

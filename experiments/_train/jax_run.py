@@ -2,11 +2,11 @@
 
 Processes join with ``jax.distributed.initialize()`` (cluster auto-detection: SLURM, Open MPI, TPU pods,
 ``JAX_COORDINATOR_ADDRESS``; or explicit ``--coordinator/--num-processes/--process-id``). The model is built
-abstractly (``nnx.eval_shape``, nothing allocated); each unit buffer is then initialised by one jitted
-function whose output is sharded over the mesh, one unit at a time, from per-tensor keys
-``fold_in(seed, index)``: the values are the same at every device count. A checkpoint is each process's
-addressable shards of the buffers and the optimizer state (``process_<i>.npz``), so a resume needs the
-same mesh, and restores every bit.
+abstractly (``nnx.eval_shape``, nothing allocated) and sharded by the llama's ``parallelize``; each unit
+buffer is then initialised by ``FSDP.init_params``, one jitted program per unit whose output is sharded over
+the mesh: the values equal ``Llama(config, rngs=nnx.Rngs(seed))`` at every device count. A checkpoint is
+each process's addressable shards of the buffers and the optimizer state (``process_<i>.npz``), so a
+resume needs the same mesh, and restores every bit.
 """
 
 from __future__ import annotations
@@ -55,62 +55,37 @@ def device_capacity() -> int:
     return available // jax.local_device_count()
 
 
-def _init_value(name: str, shape: tuple[int, ...], key: jax.Array) -> jax.Array:
-    """The flax llama's initial distributions: norms 1, the embedding N(0, 1), matrices N(0, 0.02^2)."""
-    if name.endswith("norm.weight"):
-        return jnp.ones(shape, jnp.float32)
-    std = 1.0 if name.startswith("tok_embeddings") else 0.02
-    return std * jax.random.normal(key, shape, jnp.float32)
-
-
-def init_buffers(fsdp, seed: int) -> dict[str, jax.Array]:
-    """Every unit buffer, sharded as it is created; one jitted init per unit."""
-    from jax_backend import pack_unit
-
-    sharding = NamedSharding(fsdp.mesh, P(fsdp.axis))
-    root, index, out = jax.random.key(seed), 0, {}
-    for layout in fsdp.layouts:
-        first, index = index, index + len(layout.tensors)
-
-        def unit_init(layout=layout, first=first) -> jax.Array:
-            keys = {t.name: jax.random.fold_in(root, first + i) for i, t in enumerate(layout.tensors)}
-            values = {t.name: _init_value(t.name, t.shape, keys[t.name]) for t in layout.tensors}
-            return pack_unit(values, layout)
-
-        out[layout.name] = jax.jit(unit_init, out_shardings=sharding)()
-    return out
-
-
 def build(args, name: str, config: ragged.LlamaConfig, mesh, replicas: int):
+    """The llama's ``parallelize`` on an abstract model (``nnx.eval_shape``: shapes only, no allocation)."""
     from flax import nnx
 
-    from jax_backend import FSDP, MixedPrecision, plan_units
-    from jax_backend.models import Llama
-    from jax_backend.models.parallelize import llama_stages
+    from jax_backend import MixedPrecision
+    from jax_backend.models import Llama, parallelize
 
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))  # shapes only, nothing allocated
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(args.seed)))
     if args.granularity == "auto":
         granularity = (lambda fqn, shape: ragged.tile_granularity(shape)) if args.optimizer == "adam8bit" \
             else "rows:1"
     else:
         granularity = args.granularity
-    layouts = plan_units(ragged.llama_shapes(name, config).units, mesh.shape["fsdp"], granularity=granularity)
     mp = MixedPrecision(jnp.bfloat16, jnp.float32) if args.dtype == "bf16" else MixedPrecision()
-    return FSDP(mesh, layouts, llama_stages(abstract), axis="fsdp",
-                replica_axis="replica" if replicas > 1 else None, mp=mp, remat=args.activation_checkpointing)
+    return parallelize(abstract, mesh, replica_axis="replica" if replicas > 1 else None,
+                       granularity=granularity, mp=mp, remat=args.activation_checkpointing, preset=name)
 
 
 def optimizer(args, fsdp):
     import optax
 
+    from jax_backend import on_shards
     from jax_backend.optim import adamw8bit, muon, muon_plan, shard_blocks
 
     if args.optimizer == "adamw":
         return optax.adamw(args.lr, weight_decay=args.weight_decay)
     if args.optimizer == "adam8bit":
         blocks = shard_blocks(fsdp.layouts, fsdp.axis)
-        return adamw8bit(args.lr, weight_decay=args.weight_decay, blocks=blocks)
-    return muon(args.lr, weight_decay=args.weight_decay, plan=muon_plan(fsdp.layouts, fsdp.axis))
+        return on_shards(adamw8bit(args.lr, weight_decay=args.weight_decay, blocks=blocks))
+    # both are layout-aware (tiles, Newton-Schulz roots), so they run on the unit shards as they are
+    return on_shards(muon(args.lr, weight_decay=args.weight_decay, plan=muon_plan(fsdp.layouts, fsdp.axis)))
 
 
 # ----- checkpoints: each process's addressable shards ----------------------------------------------------
@@ -180,7 +155,11 @@ def run(args, name: str, config: ragged.LlamaConfig, plan_check, settings: dict)
         checkpoints.check_settings(ckpt_root, settings, write=False)
     fsdp = build(args, name, config, mesh, replicas)
     opt = optimizer(args, fsdp)
-    buffers = init_buffers(fsdp, args.seed)
+    from flax import nnx
+
+    from jax_backend.models import Llama
+
+    buffers = fsdp.init_params(lambda: Llama(config, rngs=nnx.Rngs(args.seed)))  # one unit at a time
     state = fsdp.init(opt, buffers)
     first = 0
     if (found := checkpoints.latest(ckpt_root)) is not None:
