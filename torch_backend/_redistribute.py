@@ -153,18 +153,7 @@ def redistribute_dim(
     if isinstance(dst, Replicate):
         return _gather(flat, src_h, math.prod(box), group, rank, world).view(out_shape)
     plan = ragged.transfers(src_h, dst_h)
-    return _all_to_all(flat, plan, math.prod(out_shape), group, rank, world).view(out_shape)
-
-
-def _all_to_all(
-    flat: torch.Tensor,
-    plan: Sequence[ragged.Transfer],
-    out_numel: int,
-    group: dist.ProcessGroup,
-    rank: int,
-    world: int,
-) -> torch.Tensor:
-    return start_all_to_all(flat, plan, out_numel, group, rank, world)()
+    return start_all_to_all(flat, plan, math.prod(out_shape), group, rank, world)().view(out_shape)
 
 
 def start_all_to_all(

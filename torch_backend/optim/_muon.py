@@ -162,29 +162,24 @@ class Muon(ParamwiseOptimizer):
         self._roots = {id(p): r for p, r in zip(matrices, roots)}
         self._buckets: dict[tuple, list[_Bucket]] = {}  # the plans of one set of matrices, built once
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._matrices: list[tuple[torch.Tensor, dict, torch.Tensor]] = []  # (param, group, update) of a step
 
     def root(self, p: torch.Tensor) -> int:
         """The device that orthogonalizes 2-D parameter ``p``."""
         return self._roots[id(p)]
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        matrices = []
-        for p, name, group in named_params(self):
-            if p.grad is None:
-                continue
-            if p.ndim == 2:
-                matrices.append((p, group, self._momentum(p, name, group)))
-            else:
-                self._adamw(p, name, group)
+    def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
+        if p.ndim == 2:  # orthogonalized in _finish_step, all matrices together
+            self._matrices.append((p, group, self._momentum(p, name, group)))
+        else:
+            self._adamw(p, name, group)
+
+    def _finish_step(self) -> None:
+        matrices, self._matrices = self._matrices, []
         if not self.overlap:
             for p, group, update in matrices:
                 self._apply(p, group, orthogonalize(update, p, self.root(p), self.ns_dtype))
-            return loss
+            return
         sharded = []
         for p, group, update in matrices:
             if _ragged_dim(p) is None:
@@ -196,7 +191,6 @@ class Muon(ParamwiseOptimizer):
             by_mesh.setdefault((item[0].device_mesh, _ragged_dim(item[0])), []).append(item)
         for items in by_mesh.values():
             self._overlapped(items)
-        return loss
 
     def _overlapped(self, items: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> None:
         """Bucketed gathers, Newton-Schulz and scatters of matrices on one mesh dim, ``in_flight`` ahead."""

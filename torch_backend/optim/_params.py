@@ -56,7 +56,7 @@ def named_params(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tenso
 
 class ParamwiseOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose ``step`` calls ``_update(param, name, group)`` for every
-    parameter that has a gradient; subclasses own the math and the state."""
+    parameter that has a gradient, then ``_finish_step()``; subclasses own the math and the state."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -67,7 +67,12 @@ class ParamwiseOptimizer(torch.optim.Optimizer):
         for p, name, group in named_params(self):
             if p.grad is not None:
                 self._update(p, name, group)
+        self._finish_step()
         return loss
+
+    def _finish_step(self) -> None:
+        """Work over the whole step's updates once every parameter was seen (Muon batches its Newton-Schulz
+        here); nothing by default."""
 
     def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
         raise NotImplementedError
