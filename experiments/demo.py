@@ -94,6 +94,9 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
     save_neutral_checkpoint(Path(workdir) / "torch_final", model)
     if rank == 0:
         (Path(workdir) / "torch_losses.json").write_text(json.dumps(losses))
+    # Every rank reaches the end before any tears gloo down: a rank still in a collective when a peer's
+    # connection closes aborts ("terminate called without an active exception", seen under load).
+    dist.barrier()
     dist.destroy_process_group()
 
 
