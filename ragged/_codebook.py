@@ -14,6 +14,10 @@ moments are that small, and a second moment of 0 makes Adam divide by ``eps`` (d
 Both stacks quantize with the same float32 operations: ``x = value / scale``, the code is the number of
 ``thresholds`` (float32 midpoints between neighbouring entries) that are ``<= x``, and the value read back
 is ``values[code] * scale``. Comparisons are exact, so equal inputs give equal codes on either stack.
+
+That count needs no search: ``buckets`` splits the float32 line by the top ``32 - BUCKET_SHIFT`` bits of
+``x`` (sign, exponent, 8 mantissa bits: 0.4% wide, narrower than any gap between thresholds), so a bucket
+holds at most one threshold, and the code is ``bucket_base[key] + (x >= bucket_threshold[key])``.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from typing import NamedTuple
 import numpy as np
 
 DECADES = 7
+BUCKET_SHIFT = 15  # key = float32 bits >> 15: 2**17 buckets
 
 
 class Codebook(NamedTuple):
-    """A sorted 256-entry codebook and its rounding thresholds (float32)."""
+    """A sorted 256-entry codebook, its rounding thresholds and their bucket tables (float32)."""
 
     values: np.ndarray  # (256,) float32, ascending
     thresholds: np.ndarray  # (255,) float32: midpoints; code = #thresholds <= x (ties round up)
+    bucket_base: np.ndarray  # (2**17,) int32: the code of the lowest float32 whose bits >> 15 are the key
+    bucket_threshold: np.ndarray  # (2**17,) float32: the bucket's one threshold above that, else +inf
 
 
 def dynamic_values(signed: bool) -> np.ndarray:
@@ -51,10 +58,32 @@ def dynamic_values(signed: bool) -> np.ndarray:
     return np.sort(np.asarray(data, dtype=np.float64)).astype(np.float32)
 
 
+def buckets(thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(bucket_base, bucket_threshold)``: for every float32 bit pattern's key ``bits >> BUCKET_SHIFT``,
+    the number of ``thresholds`` at or below the bucket's lowest float and the one threshold inside it.
+
+    Raises:
+        ValueError: two thresholds in one finite bucket (a codebook finer than the buckets).
+    """
+    keys = np.arange(1 << (32 - BUCKET_SHIFT), dtype=np.uint32) << BUCKET_SHIFT
+    ends = keys.view(np.float32), (keys | ((1 << BUCKET_SHIFT) - 1)).view(np.float32)
+    low, high = np.minimum(*ends), np.maximum(*ends)  # a negative bucket's first bits are its largest value
+    with np.errstate(invalid="ignore"):
+        base = np.searchsorted(thresholds, low, side="right")
+        inside = np.searchsorted(thresholds, high, side="right") - base  # NaN buckets: 0
+    if inside.max() > 1:
+        raise ValueError(f"a bucket of 2**{BUCKET_SHIFT} float32 values holds {inside.max()} thresholds; "
+                         "lower BUCKET_SHIFT")
+    threshold = np.where(inside == 1, thresholds[np.minimum(base, len(thresholds) - 1)], np.inf)
+    return base.astype(np.int32), threshold.astype(np.float32)
+
+
 def codebook(values: np.ndarray) -> Codebook:
-    """``values`` and the float32 midpoints between neighbours (computed in float64, then rounded)."""
+    """``values``, the float32 midpoints between neighbours (computed in float64, then rounded), and
+    their bucket tables."""
     v64 = values.astype(np.float64)
-    return Codebook(values, ((v64[:-1] + v64[1:]) / 2).astype(np.float32))
+    thresholds = ((v64[:-1] + v64[1:]) / 2).astype(np.float32)
+    return Codebook(values, thresholds, *buckets(thresholds))
 
 
 SIGNED = codebook(dynamic_values(signed=True))

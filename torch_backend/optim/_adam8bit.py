@@ -21,13 +21,15 @@ written in the JAX transform's order (no fused multiply-add), so both stacks sto
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 import ragged
-from ragged._codebook import SIGNED, UNSIGNED, Codebook
+from ragged._codebook import BUCKET_SHIFT, SIGNED, UNSIGNED
 from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
 
 Tile = tuple[int, int]
@@ -35,42 +37,65 @@ _ZERO_M, _ZERO_V = int(SIGNED.values.searchsorted(0.0)), 0  # the codes of 0
 
 
 # ----- quantization (rows are blocks) ------------------------------------------------------------
-def quantize(x: torch.Tensor, book: Codebook) -> tuple[torch.Tensor, torch.Tensor]:
+class DeviceBook(NamedTuple):
+    """A ``Codebook``'s tables as tensors on one device."""
+
+    values: torch.Tensor  # (256,) fp32
+    bucket_base: torch.Tensor  # (2**17,) int32
+    bucket_threshold: torch.Tensor  # (2**17,) fp32
+
+
+@functools.cache
+def device_book(signed: bool, device: torch.device) -> DeviceBook:
+    """``SIGNED`` or ``UNSIGNED`` on ``device``, copied there once."""
+    book = SIGNED if signed else UNSIGNED
+    return DeviceBook(*(torch.from_numpy(a).to(device) for a in (book.values, book.bucket_base,
+                                                                 book.bucket_threshold)))
+
+
+def quantize(x: torch.Tensor, book: DeviceBook) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks, n)`` fp32 -> uint8 codes (nearest ``book`` entry of ``x / absmax``) and the absmax scales.
 
-    An all-zero block has scale 0 and the code of the entry 0.
+    The code is the number of thresholds ``<= x / absmax``, read from the codebook's buckets (one table
+    look-up and one comparison per element, ``ragged._codebook``). An all-zero block has scale 0 and the
+    code of the entry 0.
     """
     scale = x.abs().amax(dim=1)
     unit = x / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-    thresholds = torch.from_numpy(book.thresholds).to(x.device)
-    return torch.searchsorted(thresholds, unit, right=True).to(torch.uint8), scale
+    key = (unit.view(torch.int32) >> BUCKET_SHIFT) & ((1 << (32 - BUCKET_SHIFT)) - 1)
+    codes = book.bucket_base.index_select(0, key.view(-1)).view(key.shape)
+    codes += unit >= book.bucket_threshold.index_select(0, key.view(-1)).view(key.shape)
+    return codes.to(torch.uint8), scale
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, book: Codebook) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, book: DeviceBook) -> torch.Tensor:
     """``book.values[codes] * scale`` per block."""
-    values = torch.from_numpy(book.values).to(codes.device)
-    return values[codes.long()] * scale[:, None]
+    return book.values.index_select(0, codes.view(-1).int()).view(codes.shape).mul_(scale[:, None])
+
+
+def sqrt_rounded(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root (XLA's), which torch's vectorized CPU ``sqrt`` misses in
+    the last bit for about 0.6% of inputs: numpy's on CPU, else the float64 root rounded once."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(np.sqrt(x.contiguous().numpy()))
+    return x.double().sqrt().float()
 
 
 def quantize_m(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize(m, SIGNED)
+    return quantize(m, device_book(True, m.device))
 
 
 def dequantize_m(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return dequantize(codes, scale, SIGNED)
+    return dequantize(codes, scale, device_book(True, codes.device))
 
 
 def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes of ``sqrt(v)``: the scale is ``max sqrt(v)`` of the block.
-
-    The root is taken in float64 and rounded once to float32: that is the correctly rounded float32 root
-    (XLA's), which torch's vectorized float32 ``sqrt`` misses in the last bit for about 0.6% of inputs.
-    """
-    return quantize(v.double().sqrt().float(), UNSIGNED)
+    """Codes of ``sqrt(v)``: the scale is ``max sqrt(v)`` of the block."""
+    return quantize(sqrt_rounded(v), device_book(False, v.device))
 
 
 def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return dequantize(codes, scale, UNSIGNED).square()
+    return dequantize(codes, scale, device_book(False, codes.device)).square_()
 
 
 # ----- blocks of a local slice -------------------------------------------------------------------
