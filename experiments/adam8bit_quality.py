@@ -113,8 +113,10 @@ def evaluate(model: torch.nn.Module, val: torch.Tensor) -> float:
 
 
 def train_lockstep(kinds: tuple[str, ...], config: LlamaConfig, train: torch.Tensor, val: torch.Tensor,
-                   peak_lr: float, eval_every: int, make: Callable = make_optimizer) -> dict:
+                   peak_lr: float, eval_every: int, make: Callable = make_optimizer, label: str = "") -> dict:
     """Train one model per optimizer kind from the same init on ``train`` (steps, batch, seq + 1).
+
+    With a ``label``, every evaluation prints a progress line (the long runs take an hour).
 
     Returns:
         ``{kind: {"train": [...], "val": [(step, loss), ...], "step_s": [...], "state_bytes_per_param"}}``.
@@ -139,6 +141,8 @@ def train_lockstep(kinds: tuple[str, ...], config: LlamaConfig, train: torch.Ten
             run["train"].append(loss.item())
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 run["val"].append((step + 1, evaluate(model, val)))
+        if label and runs[kinds[-1]]["val"] and runs[kinds[-1]]["val"][-1][0] == step + 1:
+            print(label, step + 1, {k: round(r["val"][-1][1], 4) for k, r in runs.items()}, flush=True)
     for run in runs.values():
         run["state_bytes_per_param"] = state_bytes_per_param(run["opt"], run["model"])
         del run["model"], run["opt"]
@@ -210,8 +214,8 @@ def _plot(summary: dict, path: Path) -> None:
 def _run_one(job: tuple) -> dict:
     """One (seed, lr)'s lockstep runs, on one thread (the jobs run in parallel processes)."""
     torch.set_num_threads(1)
-    kinds, train, val, lr, eval_every = job
-    runs = train_lockstep(kinds, CONFIG, train, val, lr, eval_every)
+    kinds, train, val, lr, eval_every, label = job
+    runs = train_lockstep(kinds, CONFIG, train, val, lr, eval_every, label=label)
     for r in runs.values():
         r["final_val"] = r["val"][-1][1]
         r["step_median_s"] = statistics.median(r["step_s"][5:] or r["step_s"])
@@ -246,7 +250,7 @@ def main() -> None:
                "runs": {}}
     cells = [(seed, lr) for seed in args.seeds for lr in args.lrs]
     jobs = [(tuple(args.optimizers), batches(train_ids, args.steps, args.batch, args.seq, seed=seed), val, lr,
-             max(1, args.steps // 10)) for seed, lr in cells]
+             max(1, args.steps // 10), f"seed {seed} lr {lr}:") for seed, lr in cells]
     with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
         for (seed, lr), runs in zip(cells, pool.map(_run_one, jobs)):
             summary["runs"].setdefault(str(seed), {})[str(lr)] = runs
