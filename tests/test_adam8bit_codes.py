@@ -15,7 +15,7 @@ import torch
 import ragged
 from jax_backend.optim import _adam8bit as jax_adam8bit
 from jax_backend.optim import scale_by_adam8bit
-from ragged._codebook import SIGNED, UNSIGNED
+from ragged._codebook import BUCKET_SHIFT, SIGNED, UNSIGNED, buckets
 from torch_backend.optim import Adam8bit
 from torch_backend.optim import _adam8bit as torch_adam8bit
 
@@ -31,6 +31,26 @@ def test_codebooks_are_the_bitsandbytes_dynamic_maps(signed):
     assert book.values[0] == (-book.values[-2] if signed else 0.0) and book.values[-1] == 1.0
     assert np.all(np.diff(book.values) > 0) and np.all(np.diff(book.thresholds) > 0)
     assert np.all((book.values[:-1] < book.thresholds) & (book.thresholds < book.values[1:]))
+
+
+@pytest.mark.parametrize("name", ["signed", "unsigned"])
+def test_bucket_tables_count_the_thresholds_at_every_bucket_edge_and_tie(name):
+    """The tables' count equals a search of the thresholds at both ends of every bucket (where the count
+    can change) and at every threshold and its float32 neighbours."""
+    book = BOOKS[name]
+    keys = np.arange(1 << (32 - BUCKET_SHIFT), dtype=np.uint32) << BUCKET_SHIFT
+    ends = [keys.view(np.float32), (keys | ((1 << BUCKET_SHIFT) - 1)).view(np.float32)]
+    ties = [book.thresholds, np.nextafter(book.thresholds, -np.inf), np.nextafter(book.thresholds, np.inf)]
+    x = np.concatenate(ends + ties)
+    x = x[np.isfinite(x)]
+    key = x.view(np.uint32) >> BUCKET_SHIFT
+    got = book.bucket_base[key] + (x >= book.bucket_threshold[key])
+    np.testing.assert_array_equal(got, np.searchsorted(book.thresholds, x, side="right"))
+
+
+def test_bucket_tables_refuse_thresholds_finer_than_a_bucket():
+    with pytest.raises(ValueError, match="holds 2 thresholds"):
+        buckets(np.array([1.0001, 1.0002], np.float32))  # in one bucket of [1, 1.0039)
 
 
 def _blocks(signed: bool) -> np.ndarray:
