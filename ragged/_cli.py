@@ -22,12 +22,12 @@ from ragged._layout import Layout
 from ragged._presets import model_names
 from ragged._shapes_file import UnitSpecs, model_units, read_shapes_file
 from ragged._sweep import (
-    GRANULARITIES,
-    MODELS,
-    WORLD_SIZES,
+    SWEEP_GRANULARITIES,
+    SWEEP_MODELS,
+    SWEEP_WORLD_SIZES,
     UnitComparison,
     compare_unit,
-    run_sweep,
+    padding_sweep,
     unit_signature,
 )
 
@@ -64,11 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     q.set_defaults(run=_run_plan)
 
     s = sub.add_parser("sweep", help="the Figure 11 padding sweep against the baselines")
-    s.add_argument("--models", default=",".join(MODELS), help="comma-separated presets")
-    s.add_argument("--world-sizes", default=",".join(map(str, WORLD_SIZES)), help="comma-separated ints")
-    s.add_argument("--granularities", default=",".join(GRANULARITIES), help="comma-separated")
+    s.add_argument("--models", default=",".join(SWEEP_MODELS), help="comma-separated presets")
+    s.add_argument("--world-sizes", default=",".join(map(str, SWEEP_WORLD_SIZES)), help="comma-separated")
+    s.add_argument("--granularities", default=",".join(SWEEP_GRANULARITIES), help="comma-separated")
     s.add_argument("--itemsize", type=int, default=4)
-    s.add_argument("--out", default="experiments/results", help="output folder")
+    s.add_argument("--json", metavar="OUT", help="write every row as JSON to OUT ('-' for stdout)")
     s.set_defaults(run=_run_sweep)
 
     a = sub.add_parser("advise", help="recommend an HSDP group size and unit grouping")
@@ -174,7 +174,11 @@ def _run_sweep(args: argparse.Namespace) -> int:
     sizes = [_int_item(x, "--world-sizes") for x in _list(args.world_sizes, "--world-sizes")]
     grans = [str(Granularity.parse(g)) for g in _list(args.granularities, "--granularities")]
     _positive("--itemsize", args.itemsize)
-    rows, paths = run_sweep(models, sizes, grans, args.out, itemsize=args.itemsize)
+    rows = padding_sweep(models, sizes, grans, itemsize=args.itemsize)
+    if args.json:
+        _write_json(args.json, {"rows": [asdict(r) for r in rows]})
+    if args.json == "-":
+        return 0
     table = _table("padding sweep (ours vs the best baseline that keeps blocks whole)",
                    ["model", "granularity", "m", "ours", "best whole", "units worse", "plan ms"])
     for r in rows:
@@ -183,8 +187,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
                           "-" if r.best_whole_ratio is None else _pct(r.best_whole_ratio),
                           str(r.units_worse), f"{1e3 * r.plan_seconds:.1f}")
     _console().print(table)
-    for p in paths:
-        print(f"wrote {p}")
+    print("The full report (CSV, plots, the targets): python -m experiments.planner_sweep")
     return 0
 
 
