@@ -27,16 +27,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+import ragged
 from jax_backend._buffers import (
-    GranularityFn,
     LayoutMismatchError,
     check_mesh,
     flatten_params,
     fqn,
-    plan_units,
 )
 from jax_backend._step import FSDP, MixedPrecision, Units
-from ragged import Granularity, Layout
+from ragged import Granularity, GranularityRule, Layout
 
 
 class UnitError(LayoutMismatchError):
@@ -360,7 +359,7 @@ class _FunctionModel:
 # ----- the entry point ----------------------------------------------------------------------------------
 def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, params: Any = None,
                 axis: str = "fsdp", replica_axis: str | None = None,
-                granularity: GranularityFn | Granularity | int | str = "rows:1",
+                granularity: GranularityRule | Granularity | int | str = "rows:1",
                 mp: MixedPrecision | None = None, remat: bool = False, root: str = "root",
                 layouts: Sequence[Layout] | None = None) -> FSDP:
     """FSDP for your own model: plan its units and return the ``FSDP`` runtime that runs its forward.
@@ -407,8 +406,8 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
     check_mesh(mesh, (), axis, replica_axis)  # the axes must exist before the planner reads their size
     planned = wrapped.plan()
     if layouts is None:
-        layouts = plan_units(planned, mesh.shape[axis], granularity=granularity,
-                             itemsize=max(jnp.dtype(d).itemsize for _, d in wrapped.shapes.values()))
+        layouts = ragged.plan_model(planned, mesh.shape[axis], granularity,
+                                   itemsize=max(jnp.dtype(d).itemsize for _, d in wrapped.shapes.values()))
     want = {u: sorted(n for n, _ in tensors) for u, tensors in planned}
     got = {lay.name: sorted(t.name for t in lay.tensors) for lay in layouts}
     if want != got:

@@ -12,7 +12,7 @@ from ragged._errors import GranularityError, PlacementError, PlanningError, Ragg
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
 from ragged._memory import MemoryPlan, flops_per_token, gib, memory_plan, trained_llama, trained_model_names
-from ragged._model_plan import plan_model
+from ragged._model_plan import GranularityRule, plan_model
 from ragged._muon_roots import (
     NS_COEFFS,
     NS_STEPS,
@@ -80,6 +80,7 @@ __all__ = [
     "Granularity",
     "granularity_for",
     "GranularityError",
+    "GranularityRule",
     "HsdpOption",
     "Layout",
     "LayoutDrawing",

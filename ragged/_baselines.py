@@ -6,7 +6,7 @@ boundaries cut (a cut block must be reassembled by communication before a block-
 a quantizer or Newton-Schulz can touch it; ``plan`` never cuts one).
 
 - ``fsdp1``: PyTorch FSDP1's FlatParameter. Tensors are concatenated in model order (each offset
-  aligned to the collective unit, as ``use_orig_params=True`` does) and the flat buffer is cut
+  aligned to the collective alignment, as ``use_orig_params=True`` does) and the flat buffer is cut
   element-wise into ``m`` equal shards of ``ceil(total / m)``.
 - ``fsdp2``: PyTorch FSDP2's per-parameter ``Shard(0)``. Each tensor's dim 0 is padded to a multiple
   of ``m``; every device holds ``ceil(dim0 / m)`` rows of every tensor.
@@ -40,7 +40,7 @@ class BaselineLayout:
 
     ``shard_size`` is the number of elements every device holds, padding included (every baseline
     uses equal shards, so one all-gather of ``m * shard_size`` elements unshards the unit). Like
-    ``Layout.shard_size`` it is a multiple of the collective unit ``align``.
+    ``Layout.shard_size`` it is a multiple of the collective alignment ``align``.
     """
 
     method: str
@@ -199,7 +199,7 @@ def baseline_layouts(specs: Sequence[TensorSpec], world_size: int, *, align: int
     Args:
         specs: the unit's tensors (``TensorSpec``s, in model order), as given to ``plan``.
         world_size: the number of devices ``m``.
-        align: the collective unit in elements, as ``plan``'s ``align``: every shard is a multiple of
+        align: the collectives' alignment in elements, as ``plan``'s ``align``: every shard is a multiple of
             it (so each device's part of the all-gather output is aligned, as in ours), FSDP1
             offsets and Megatron chunks honour it too.
 

@@ -20,15 +20,14 @@ from ragged._errors import RaggedError
 from ragged._granularity import Granularity
 from ragged._layout import Layout
 from ragged._presets import model_names
-from ragged._shapes_file import UnitSpecs, model_units, read_shapes_file
+from ragged._shapes_file import model_units, read_shapes_file
 from ragged._sweep import (
     SWEEP_GRANULARITIES,
     SWEEP_MODELS,
     SWEEP_WORLD_SIZES,
     UnitComparison,
-    compare_unit,
+    compare_units,
     padding_sweep,
-    unit_signature,
 )
 
 
@@ -91,7 +90,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     _positive("--itemsize", args.itemsize)
     matrix = Granularity.parse(args.granularity)
     units = model_units(args.model, matrix) if args.model else read_shapes_file(args.shapes, matrix)
-    compared = plan_units(units, args.world_size, itemsize=args.itemsize)
+    compared = compare_units(units, args.world_size, itemsize=args.itemsize)
     if args.json:
         _write_json(args.json, plan_json(compared, args.world_size))
     if args.json != "-":
@@ -111,21 +110,6 @@ def _plan_picture(layouts: Sequence[Layout]) -> Picture:
     """Each distinct unit (repeats drawn once) as planned, then under FSDP2 and GSPMD."""
     per_method = [draw_plan(layouts, method).drawings for method in METHODS]
     return Picture(tuple(d for same_unit in zip(*per_method) for d in same_unit))
-
-
-def plan_units(units: Sequence[UnitSpecs], world_size: int, *, itemsize: int = 4) -> list[UnitComparison]:
-    """Plan and compare every unit; a repeat of an earlier unit reuses its plan, renamed (time 0)."""
-    done: dict[tuple, UnitComparison] = {}
-    out = []
-    for u in units:
-        first = done.get(unit_signature(u))
-        if first is None:
-            first = done[unit_signature(u)] = compare_unit(u, world_size, itemsize=itemsize)
-            out.append(first)
-        else:
-            layout = first.layout.renamed(tuple(t.name for t in u.tensors), u.name)
-            out.append(UnitComparison(u.name, layout, 0.0, first.baselines, repeat_of=first.name))
-    return out
 
 
 def plan_json(compared: Sequence[UnitComparison], world_size: int) -> dict[str, Any]:

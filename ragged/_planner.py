@@ -227,7 +227,7 @@ def plan(tensors: Iterable[TensorSpec | tuple | dict], world_size: int, *, align
     Args:
         tensors: ``TensorSpec``s, ``(name, shape[, granularity])`` tuples or dicts with those keys.
         world_size: the number of devices ``m`` (shards).
-        align: the collective unit in elements; offsets and S are multiples of it. Defaults to
+        align: the collectives' alignment in elements; offsets and S are multiples of it. Defaults to
             16 bytes of the buffer dtype (``16 // itemsize``).
         itemsize: bytes per element of the buffer dtype (used for the default ``align``).
         granularity: the default for tensors given without one.

@@ -53,6 +53,21 @@ def compare_unit(unit: UnitSpecs, world_size: int, *, itemsize: int = 4) -> Unit
                                                                        align=layout.align))
 
 
+def compare_units(units: Sequence[UnitSpecs], world_size: int, *, itemsize: int = 4) -> list[UnitComparison]:
+    """``compare_unit`` on each unit in order; a repeat of an earlier unit reuses its plan (time 0)."""
+    done: dict[tuple, UnitComparison] = {}
+    out = []
+    for u in units:
+        first = done.get(unit_signature(u))
+        if first is None:
+            first = done[unit_signature(u)] = compare_unit(u, world_size, itemsize=itemsize)
+            out.append(first)
+        else:
+            layout = first.layout.renamed(tuple(t.name for t in u.tensors), u.name)
+            out.append(UnitComparison(u.name, layout, 0.0, first.baselines, repeat_of=first.name))
+    return out
+
+
 def unit_signature(unit: UnitSpecs) -> tuple:
     """What a plan depends on: the shapes and blocks in order (names do not matter)."""
     return tuple((t.shape, t.block) for t in unit.tensors)

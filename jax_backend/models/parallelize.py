@@ -17,17 +17,15 @@ from jax.sharding import Mesh
 
 import ragged
 from jax_backend._buffers import (
-    GranularityFn,
     LayoutMismatchError,
     check_mesh,
     flatten_params,
     fqn,
-    plan_units,
 )
 from jax_backend._model import shard_model
 from jax_backend._step import FSDP, MixedPrecision, Stage
 from jax_backend.models.llama import Llama
-from ragged import Granularity
+from ragged import Granularity, GranularityRule
 
 
 def model_params(model: nnx.Module) -> dict[str, jax.Array]:
@@ -57,7 +55,7 @@ def llama_stages(model: Llama) -> tuple[Stage, ...]:
 
 
 def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: str | None = None,
-                granularity: GranularityFn | Granularity | int | str = "rows:1",
+                granularity: GranularityRule | Granularity | int | str = "rows:1",
                 mp: MixedPrecision | None = None, remat: bool = False,
                 preset: str = "llama-tiny") -> FSDP:
     """Plan ``model``'s FSDP units for ``mesh.shape[axis]`` devices and return the ``FSDP`` runtime.
@@ -92,6 +90,6 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
     if extra:
         raise LayoutMismatchError(f"the model has parameters {extra[:5]} that preset {preset!r} does not")
     check_mesh(mesh, (), axis, replica_axis)  # the axes must exist before the planner reads their size
-    layouts = plan_units(units, mesh.shape[axis], granularity=granularity)
+    layouts = ragged.plan_model(units, mesh.shape[axis], granularity)
     return shard_model(model, mesh, units=["tok_embeddings", "layers.*"], root="output", layouts=layouts,
                        axis=axis, replica_axis=replica_axis, mp=mp, remat=remat)
