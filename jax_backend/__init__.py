@@ -26,12 +26,12 @@ from jax_backend._optax import (
     on_shards,
 )
 from jax_backend._redistribute import gather_tensor, scatter_tensor
-from jax_backend._step import FSDP, MixedPrecision, Stage, Units, gather_unit
+from jax_backend._step import FSDP, MixedPrecisionPolicy, Stage, Units, gather_unit
 
 __all__ = [
     "FSDP",
     "LayoutMismatchError",
-    "MixedPrecision",
+    "MixedPrecisionPolicy",
     "Stage",
     "UnitError",
     "Units",

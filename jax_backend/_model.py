@@ -34,7 +34,7 @@ from jax_backend._buffers import (
     flatten_params,
     fqn,
 )
-from jax_backend._step import FSDP, MixedPrecision, Units
+from jax_backend._step import FSDP, MixedPrecisionPolicy, Units
 from ragged import Granularity, GranularityRule, Layout
 
 
@@ -360,7 +360,7 @@ class _FunctionModel:
 def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, params: Any = None,
                 axis: str = "fsdp", replica_axis: str | None = None,
                 granularity: GranularityRule | Granularity | int | str = "rows:1",
-                mp: MixedPrecision | None = None, remat: bool = False, root: str = "root",
+                mp_policy: MixedPrecisionPolicy | None = None, remat: bool = False, root: str = "root",
                 layouts: Sequence[Layout] | None = None) -> FSDP:
     """FSDP for your own model: plan its units and return the ``FSDP`` runtime that runs its forward.
 
@@ -381,7 +381,7 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
             unit, named ``root``.
         params: the pure function's params pytree (arrays or ``jax.ShapeDtypeStruct``).
         granularity: ``(fqn, shape) -> granularity`` or one granularity for every matrix.
-        mp: mixed precision; ``None`` computes and reduces in the master dtype.
+        mp_policy: mixed precision; ``None`` computes and reduces in the master dtype.
         remat: NNX only: re-gather each unit in its backward and recompute its activations there, so one
             unit is unsharded at a time (the unit's call may then read only its own module and arguments).
         layouts: pre-planned Layouts (e.g. a core preset's order); their units must own the same
@@ -414,5 +414,6 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
         bad = sorted(u for u in set(want) | set(got) if want.get(u) != got.get(u))
         raise LayoutMismatchError(f"layouts do not match the units at {bad[:3]}: unit {bad[0]!r} owns "
                                   f"{want.get(bad[0])} in the model, {got.get(bad[0])} in the layouts")
-    return FSDP(mesh, tuple(layouts), axis=axis, replica_axis=replica_axis, mp=mp or MixedPrecision(),
+    return FSDP(mesh, tuple(layouts), axis=axis, replica_axis=replica_axis,
+                mp_policy=mp_policy or MixedPrecisionPolicy(),
                 remat=remat, model=wrapped)

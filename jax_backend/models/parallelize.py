@@ -23,7 +23,7 @@ from jax_backend._buffers import (
     fqn,
 )
 from jax_backend._model import shard_model
-from jax_backend._step import FSDP, MixedPrecision, Stage
+from jax_backend._step import FSDP, MixedPrecisionPolicy, Stage
 from jax_backend.models.llama import Llama
 from ragged import Granularity, GranularityRule
 
@@ -56,7 +56,7 @@ def llama_stages(model: Llama) -> tuple[Stage, ...]:
 
 def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: str | None = None,
                 granularity: GranularityRule | Granularity | int | str = "rows:1",
-                mp: MixedPrecision | None = None, remat: bool = False,
+                mp_policy: MixedPrecisionPolicy | None = None, remat: bool = False,
                 preset: str = "llama-tiny") -> FSDP:
     """Plan ``model``'s FSDP units for ``mesh.shape[axis]`` devices and return the ``FSDP`` runtime.
 
@@ -70,7 +70,7 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
         model: the flax llama (its parameters must be the preset's names and shapes).
         mesh: the device mesh; ``axis`` shards, ``replica_axis`` (HSDP) replicates.
         granularity: ``(fqn, shape) -> granularity`` or one granularity for every matrix.
-        mp: mixed precision; ``None`` computes and reduces in the master dtype.
+        mp_policy: mixed precision; ``None`` computes and reduces in the master dtype.
         remat: re-gather each unit in the backward (keeps one unit unsharded at a time).
         preset: the name of the core's units (``ragged.llama_shapes(preset, model.config)``), whose
             tensor order is planned.
@@ -92,4 +92,4 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
     check_mesh(mesh, (), axis, replica_axis)  # the axes must exist before the planner reads their size
     layouts = ragged.plan_model(units, mesh.shape[axis], granularity)
     return shard_model(model, mesh, units=["tok_embeddings", "layers.*"], root="output", layouts=layouts,
-                       axis=axis, replica_axis=replica_axis, mp=mp, remat=remat)
+                       axis=axis, replica_axis=replica_axis, mp_policy=mp_policy, remat=remat)

@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax_reference import assert_params_close, rel_err, train_fsdp, train_reference
 
-from jax_backend import FSDP, LayoutMismatchError, MixedPrecision, make_mesh, unpack_unit
+from jax_backend import FSDP, LayoutMismatchError, MixedPrecisionPolicy, make_mesh, unpack_unit
 from jax_backend.models import cross_entropy, llama_stages, model_params, parallelize
 from ragged import model_shapes, plan_model
 
@@ -40,7 +40,8 @@ def test_hsdp_2x2_matches_single_device(model, batches, reference):
 
 def test_bf16_compute_matches_bf16_reference(model, batches):
     """bf16 gathers and compute, fp32 reduce and masters: within bf16 tolerance of the unsharded recipe."""
-    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), mp=MixedPrecision(jnp.bfloat16, jnp.float32))
+    policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
+    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), mp_policy=policy)
     losses, params = train_fsdp(fsdp, model, batches[:4])
     ref_losses, ref_params = train_reference(model, batches[:4], compute_dtype=jnp.bfloat16)
     assert rel_err(losses, ref_losses) <= 1e-2, (losses, ref_losses)
