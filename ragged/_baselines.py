@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragged._errors import PlanningError
-from ragged._layout import TensorSpec, _ceil_to
+from ragged._layout import TensorSpec, ceil_to
 
 BASELINES = ("fsdp1", "fsdp2", "zero3", "megatron")
 
@@ -100,10 +100,10 @@ def fsdp1(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineL
     """FSDP1: aligned flat concatenation, cut element-wise into ``world_size`` equal shards."""
     offsets, cur = [], 0
     for s in specs:
-        cur = _ceil_to(cur, align)
+        cur = ceil_to(cur, align)
         offsets.append(cur)
         cur += s.numel
-    shard = _ceil_to(max(1, -(-cur // world_size)), align)
+    shard = ceil_to(max(1, -(-cur // world_size)), align)
     return BaselineLayout("fsdp1", world_size, shard, _used(specs), _flat_split(specs, offsets, shard,
                                                                                 world_size))
 
@@ -119,7 +119,7 @@ def fsdp2(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineL
         chunk = -(-rows // world_size) * row_numel  # torch.chunk's rows per device, padded
         shard += chunk
         split += count_split_blocks(0, s.numel, s.block, chunk, world_size - 1)
-    return BaselineLayout("fsdp2", world_size, _ceil_to(max(shard, 1), align), _used(specs), split)
+    return BaselineLayout("fsdp2", world_size, ceil_to(max(shard, 1), align), _used(specs), split)
 
 
 def zero3(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineLayout:
@@ -129,7 +129,7 @@ def zero3(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineL
         chunk = -(-s.numel // world_size)
         shard += chunk
         split += count_split_blocks(0, s.numel, s.block, chunk, world_size - 1)
-    return BaselineLayout("zero3", world_size, _ceil_to(max(shard, 1), align), _used(specs), split)
+    return BaselineLayout("zero3", world_size, ceil_to(max(shard, 1), align), _used(specs), split)
 
 
 def megatron(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineLayout:
@@ -150,7 +150,7 @@ def megatron_offsets(specs: Sequence[TensorSpec], align: int) -> tuple[list[int]
         if s.numel >= chunk:
             offsets[i] = cur
             end = cur + s.numel
-            cur = _ceil_to(end, chunk)
+            cur = ceil_to(end, chunk)
             if end < cur:
                 gaps.append([end, cur])
     for i, s in enumerate(specs):
@@ -167,7 +167,7 @@ def megatron_offsets(specs: Sequence[TensorSpec], align: int) -> tuple[list[int]
 def _first_fit(gaps: list[list[int]], numel: int, align: int) -> int:
     """Take ``numel`` aligned elements from the first gap that has room; -1 when none has."""
     for gap in gaps:
-        start = _ceil_to(gap[0], align)
+        start = ceil_to(gap[0], align)
         if start + numel <= gap[1]:
             gap[0] = start + numel
             return start
@@ -176,8 +176,8 @@ def _first_fit(gaps: list[list[int]], numel: int, align: int) -> int:
 
 def _next_whole(cur: int, numel: int, block: int, chunk: int, align: int) -> int:
     """The aligned offset at or after ``cur`` whose grid crossings all fall on block edges."""
-    start = _ceil_to(cur, align)
-    grid = _ceil_to(start + 1, chunk)  # the first grid point strictly after the start
+    start = ceil_to(cur, align)
+    grid = ceil_to(start + 1, chunk)  # the first grid point strictly after the start
     if grid < start + numel and (grid - start) % block:
         return grid  # a numel < chunk tensor starting on the grid crosses no other grid point
     return start

@@ -20,7 +20,8 @@ from ragged._placement import RaggedShard
 Shape = tuple[int, ...]
 
 
-def _ceil_to(x: int, k: int) -> int:
+def ceil_to(x: int, k: int) -> int:
+    """The least multiple of ``k`` that is ``>= x``."""
     return -(-x // k) * k
 
 
@@ -277,16 +278,16 @@ class ShardGrid(NamedTuple):
 
     def next_valid(self, start: int) -> int:
         """The smallest valid shard size ``>= start``: a multiple of ``align`` and of every forced block."""
-        s = _ceil_to(max(start, 1), self.bases[0])
+        s = ceil_to(max(start, 1), self.bases[0])
         while True:
             j = _count_at_least(self.numels, 2 * s)  # the forced prefix at s
-            cand = _ceil_to(s, self.bases[j])
+            cand = ceil_to(s, self.bases[j])
             if j == 0:
                 return cand
             leave = self.numels[j - 1] // 2 + 1  # from here on the smallest forced tensor is free
             if cand < leave:  # within [s, leave) the forced set is exactly this prefix
                 return cand
-            s = _ceil_to(leave, self.bases[0])
+            s = ceil_to(leave, self.bases[0])
 
 
     def take(self, start: int, limit: int, count: int) -> list[int]:
@@ -318,7 +319,7 @@ def basic_lower_bound(items: list[tuple[int, int]], world_size: int, align: int)
     """
     used = sum(e for e, _ in items)
     biggest = max((g for e, g in items if e), default=1)
-    return max(_ceil_to(-(-used // world_size), align), _ceil_to(biggest, align), align)
+    return max(ceil_to(-(-used // world_size), align), ceil_to(biggest, align), align)
 
 
 def shard_size_lower_bound(items: list[tuple[int, int]], world_size: int, align: int) -> int:
