@@ -8,8 +8,6 @@ from jax_backend._buffers import (
     LayoutMismatchError,
     check_mesh,
     check_params,
-    flatten_params,
-    fqn,
     pack_unit,
     shard_params,
     unpack_unit,
@@ -18,6 +16,7 @@ from jax_backend._buffers import (
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend._compat import make_mesh, shard_map
 from jax_backend._model import UnitError, fully_shard, shard_model
+from jax_backend._names import flatten_params, fqn
 from jax_backend._optax import (
     UnsupportedOptimizerError,
     check_optimizer,

@@ -4,7 +4,8 @@ A unit's buffer holds ``world_size * S`` elements with ``NamedSharding(mesh, P(a
 the axis owns ``[d * S, (d + 1) * S)``, exactly the core's shard. Every parameter is the static slice
 ``[offset, offset + numel)`` of its unit's buffer, reshaped; offsets are read from the ``Layout`` and never
 recomputed, so converting parameters to buffers and back is exact (only copies, no arithmetic).
-Parameters are addressed by FQN (``layers.0.attention.wq.weight``), the names the Layout was planned with.
+Parameters are addressed by FQN (``layers.0.attention.wq.weight``, ``_names.fqn``), the names the Layout was
+planned with.
 """
 
 from __future__ import annotations
@@ -26,27 +27,6 @@ Shape = tuple[int, ...]
 
 class LayoutMismatchError(ragged.RaggedError):
     """Parameters, a mesh or a world size that do not match the planned Layouts."""
-
-
-def fqn(path: Sequence[Any]) -> str:
-    """The dotted name of a pytree path: ``('layers', 0, 'wq', 'weight', .value)`` -> ``layers.0.wq.weight``.
-
-    flax NNX Variables flatten to an extra ``.value`` attribute key, which is not part of the name.
-    """
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.GetAttrKey) and key.name != "value":
-            parts.append(key.name)
-    return ".".join(parts)
-
-
-def flatten_params(tree: Any) -> dict[str, jax.Array]:
-    """A params pytree (nested dicts, an NNX ``State``) as ``{fqn: array}`` in flattening order."""
-    return {fqn(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def check_mesh(mesh: Mesh, layouts: Sequence[Layout], axis: str, replica_axis: str | None = None) -> None:

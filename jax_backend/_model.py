@@ -31,9 +31,8 @@ import ragged
 from jax_backend._buffers import (
     LayoutMismatchError,
     check_mesh,
-    flatten_params,
-    fqn,
 )
+from jax_backend._names import flatten_params, fqn
 from jax_backend._step import FSDP, MixedPrecisionPolicy, Units
 from ragged import Granularity, GranularityRule, Layout
 

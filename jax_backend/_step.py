@@ -34,13 +34,13 @@ from jax_backend._buffers import (
     LayoutMismatchError,
     buffer_sharding,
     check_mesh,
-    flatten_params,
     pack_unit,
     shard_params,
     unpack_unit,
     unshard_params,
 )
 from jax_backend._compat import shard_map
+from jax_backend._names import flatten_params
 from jax_backend._optax import check_optimizer
 from ragged import Layout
 

@@ -19,10 +19,9 @@ import ragged
 from jax_backend._buffers import (
     LayoutMismatchError,
     check_mesh,
-    flatten_params,
-    fqn,
 )
 from jax_backend._model import shard_model
+from jax_backend._names import flatten_params, fqn
 from jax_backend._step import FSDP, MixedPrecisionPolicy, Stage
 from jax_backend.models.llama import Llama
 from ragged import Granularity, GranularityRule
