@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragged._errors import PlanningError
-from ragged._layout import TensorSpec, ceil_to
+from ragged._layout import PaddedBuffer, TensorSpec, ceil_to
 
 BASELINES = ("fsdp1", "fsdp2", "zero3", "megatron")
 
 
 @dataclass(frozen=True)
-class BaselineLayout:
+class BaselineLayout(PaddedBuffer):
     """One baseline's sharding of one unit, reduced to what the comparison needs.
 
     ``shard_size`` is the number of elements every device holds, padding included (every baseline
@@ -48,19 +48,6 @@ class BaselineLayout:
     shard_size: int
     used_numel: int
     split_blocks: int
-
-    @property
-    def total_numel(self) -> int:
-        return self.world_size * self.shard_size
-
-    @property
-    def padding(self) -> int:
-        return self.total_numel - self.used_numel
-
-    @property
-    def padding_ratio(self) -> float:
-        """Padded elements over buffer elements (as ``Layout.padding_ratio``)."""
-        return self.padding / self.total_numel if self.total_numel else 0.0
 
     @property
     def keeps_blocks_whole(self) -> bool:

@@ -78,8 +78,31 @@ class Piece(NamedTuple):
     local_offset: int
 
 
+class PaddedBuffer:
+    """Sizes of a unit's buffer of ``world_size`` equal shards, for anything with ``world_size``,
+    ``shard_size`` and ``used_numel`` (our ``Layout`` and the baselines' ``BaselineLayout``)."""
+
+    world_size: int
+    shard_size: int
+    used_numel: int
+
+    @property
+    def total_numel(self) -> int:
+        """Elements in the global buffer: ``world_size * shard_size``."""
+        return self.world_size * self.shard_size
+
+    @property
+    def padding(self) -> int:
+        return self.total_numel - self.used_numel
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded elements over buffer elements."""
+        return self.padding / self.total_numel if self.total_numel else 0.0
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(PaddedBuffer):
     """The planned global buffer of one FSDP unit. Tensors keep the order they were given in."""
 
     world_size: int
@@ -94,22 +117,8 @@ class Layout:
 
     # ----- sizes -------------------------------------------------------------------------------
     @property
-    def total_numel(self) -> int:
-        """Elements in the global buffer: ``world_size * shard_size``."""
-        return self.world_size * self.shard_size
-
-    @property
     def used_numel(self) -> int:
         return sum(t.numel for t in self.tensors)
-
-    @property
-    def padding(self) -> int:
-        return self.total_numel - self.used_numel
-
-    @property
-    def padding_ratio(self) -> float:
-        """Padded elements over buffer elements."""
-        return self.padding / self.total_numel if self.total_numel else 0.0
 
     @property
     def lower_bound(self) -> int:
