@@ -45,13 +45,11 @@ def test_bf16_newton_schulz_is_within_its_stated_tolerance_of_fp32():
 
 
 def test_distributed_bf16_muon_equals_single_device_bf16_muon():
-    """ns_dtype reaches the roots' Newton-Schulz: sharded bf16 Muon is single-device bf16 Muon, not fp32."""
-    params, grads = _fulls(SPECS, seed=5, steps=2)
+    """ns_dtype reaches the roots' Newton-Schulz: sharded bf16 Muon is single-device bf16 Muon (fp32 on the
+    roots would be about 3% away, far outside the tolerance)."""
+    params, grads = _fulls(MUON_SPECS, seed=5, steps=1)
     bf16 = functools.partial(muon, 0.02, adam_learning_rate=1e-2, ns_dtype=jnp.bfloat16)
-    want, fp32 = _run_full(bf16(), params, grads), _run_full(_muon(), params, grads)
-    got, _ = _run_sharded(lambda lays: bf16(plan=muon_plan(lays, "fsdp")), SPECS, params, grads, 3)
-    for n, s, _ in SPECS:
-        if len(s) == 2:
-            np.testing.assert_allclose(np.asarray(got[n]), np.asarray(want[n]), rtol=1e-5, atol=1e-6,
-                                       err_msg=n)
-            assert not np.allclose(np.asarray(got[n]), np.asarray(fp32[n]), rtol=1e-5, atol=1e-6), n
+    want = _run_full(bf16(), params, grads)
+    got, _ = _run_sharded(lambda lays: bf16(plan=muon_plan(lays, "fsdp")), MUON_SPECS, params, grads, 3)
+    for n in params:
+        np.testing.assert_allclose(np.asarray(got[n]), np.asarray(want[n]), rtol=1e-5, atol=1e-6, err_msg=n)
