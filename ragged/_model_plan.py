@@ -55,26 +55,27 @@ def plan_model(units: ModelShapes | Iterable[Any], world_size: int,
     """
     if isinstance(units, ModelShapes):
         units = units.units
-    if callable(granularity):
-        rule = granularity
-    else:
-        matrix = Granularity.parse(granularity)
-        rule = lambda fqn, shape: granularity_for(shape, matrix)  # noqa: E731
+    rule = granularity if callable(granularity) else None
+    matrix = None if rule else Granularity.parse(granularity)
     planned: dict[tuple, Layout] = {}
     out = []
     for unit in units:
-        name, specs = _unit_specs(unit, rule)
-        key = tuple((t.shape, t.block) for t in specs)
+        name, tensors = _unit_tensors(unit, rule)
+        key = tuple((shape, g) for _, shape, g in tensors)  # what a plan depends on (names do not)
         if key not in planned:
+            specs = [TensorSpec(fqn, shape, granularity_for(shape, matrix) if g is None else g)
+                     for fqn, shape, g in tensors]
             planned[key] = plan(specs, world_size, align=align, itemsize=itemsize, name=name)
             out.append(planned[key])
         else:
-            out.append(planned[key].renamed(tuple(t.name for t in specs), name))
+            out.append(planned[key].renamed(tuple(fqn for fqn, _, _ in tensors), name))
     return tuple(out)
 
 
-def _unit_specs(unit: Any, rule: GranularityRule) -> tuple[str, list[TensorSpec]]:
-    """``(name, specs)`` of one unit given as ``UnitShapes``, ``UnitSpecs`` or a ``(name, tensors)`` pair."""
+def _unit_tensors(unit: Any, rule: GranularityRule | None) -> tuple[str, list[tuple]]:
+    """``(name, [(fqn, shape, granularity or None), ...])`` of a unit given as ``UnitShapes``, ``UnitSpecs``
+    or a ``(name, tensors)`` pair; None means the default rule (it depends on the shape only), so the
+    61 layers of a large MoE model cost no spec building but their first's."""
     if isinstance(unit, (UnitShapes, UnitSpecs)):
         name, tensors = unit.name, unit.tensors
     elif isinstance(unit, Sequence) and len(unit) == 2 and isinstance(unit[0], str):
@@ -82,11 +83,11 @@ def _unit_specs(unit: Any, rule: GranularityRule) -> tuple[str, list[TensorSpec]
     else:
         raise PlanningError(f"plan_model: a unit must be UnitShapes, UnitSpecs or (name, tensors), "
                             f"got {unit!r}")
-    specs = []
+    out = []
     for t in tensors:
         if isinstance(t, TensorSpec):
-            specs.append(t)
+            out.append((t.name, t.shape, t.granularity))
         else:
-            fqn, shape = t
-            specs.append(TensorSpec(fqn, tuple(shape), rule(fqn, tuple(shape))))
-    return name, specs
+            fqn, shape = t[0], tuple(t[1])
+            out.append((fqn, shape, None if rule is None else Granularity.parse(rule(fqn, shape))))
+    return name, out

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ragged
 from torch_backend import MixedPrecisionPolicy, fully_shard, plan_module
-from torch_backend._dbuffer import DBuffer
-from torch_backend._unit import UnitState
+from torch_backend.fsdp._dbuffer import DBuffer
+from torch_backend.fsdp._unit import UnitState
 from torch_backend.models import Llama, cross_entropy, parallelize
 
 UNIT_GROUPS = {
