@@ -141,7 +141,8 @@ def _orthogonalize_shards(updates: dict[str, jax.Array], plan: MuonPlan,
     One window at a time (``plan.windows()``): all its gathers, then its Newton-Schulz under
     ``lax.cond(root)``, then its scatters, inside one jitted step so XLA can overlap them. The next
     window's gathers read ``updates`` minus an exact zero computed from this window's scatters: a data
-    dependency that keeps them behind it, so a device holds about one window of whole matrices.
+    dependency that keeps them behind it, so a device holds about one window of whole matrices (the
+    subtraction fuses into the gathers' slices: no copy of the shard).
     (``lax.optimization_barrier`` did not: XLA:CPU drops it before scheduling, and then issued every
     window's gathers first, so the sequential schedule ran as one window and temp memory grew with the
     model.)
@@ -149,8 +150,10 @@ def _orthogonalize_shards(updates: dict[str, jax.Array], plan: MuonPlan,
     by_unit = {lay.name: lay for lay in plan.layouts}
     outs = {k: jnp.zeros_like(u) for k, u in updates.items()}
     rank = lax.axis_index(plan.axis)
+    done = jnp.zeros((), jnp.float32)
     for window in plan.windows():
-        wholes = [gather_tensor(updates[u], by_unit[u], m.name, plan.axis, root=m.root) for u, m in window]
+        wholes = [gather_tensor(updates[u] - done, by_unit[u], m.name, plan.axis, root=m.root)
+                  for u, m in window]
         orthos = [lax.cond(rank == m.root, lambda w: newton_schulz(w, dtype=ns_dtype), jnp.zeros_like, w)
                   * ragged.muon_scale(m.shape)
                   for (_, m), w in zip(window, wholes)]  # zeros off the root
@@ -160,7 +163,6 @@ def _orthogonalize_shards(updates: dict[str, jax.Array], plan: MuonPlan,
         # (negative zeros and NaN included); XLA cannot fold it, since it cannot prove the product 0.
         scattered = [outs[u][:1] for u in dict.fromkeys(u for u, _ in window)]
         done = sum(jnp.any(o != o).astype(jnp.float32) for o in scattered) * 0.0
-        updates = {k: v - done for k, v in updates.items()}
     return outs
 
 
