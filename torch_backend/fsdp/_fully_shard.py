@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 import ragged
 from ragged import Granularity, Layout, TensorSpec
 from torch_backend._collectives import all_reduce
+from torch_backend._torch_internals import root_mesh
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._hooks import FSDPState
 from torch_backend.fsdp._unit import ParamRef, Unit
@@ -249,7 +250,7 @@ def _check_mesh_covers(mesh: DeviceMesh) -> None:
     """
     if not dist.is_initialized():
         return
-    root = _root_mesh(mesh)
+    root = root_mesh(mesh)
     world = dist.get_world_size()
     if root.size() != world or mesh.get_coordinate() is None:
         ranks = root.mesh.flatten().tolist()
@@ -257,15 +258,6 @@ def _check_mesh_covers(mesh: DeviceMesh) -> None:
                          f"ranks; every rank must hold a place in the mesh (build it over all "
                          f"{world} ranks, e.g. init_device_mesh(device_type, ({world},)), or cut sub-meshes "
                          "from such a mesh)")
-
-
-def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    if get_root is not None:
-        return get_root()
-    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.9
-
-    return _mesh_resources.get_root_mesh(mesh)
 
 
 def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> None:

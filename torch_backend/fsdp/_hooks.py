@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torch_backend._torch_internals import pytree, queue_backward_callback
 from torch_backend.fsdp._unit import Unit
 
 
@@ -84,7 +83,7 @@ class FSDPState:
         resharded, since frozen parameters are still read by that backward (LoRA, frozen norms) after
         the last trainable gradient landed.
         """
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = pytree.tree_flatten((args, kwargs))
         index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not index or self.unit is None:
             return args, kwargs
@@ -92,7 +91,7 @@ class FSDPState:
         outs = _InputsDone.apply(self, *(flat[i] for i in index))
         for i, t in zip(index, outs):
             flat[i] = t
-        return tree_unflatten(flat, spec)
+        return pytree.tree_unflatten(flat, spec)
 
     def _inputs_done(self) -> None:
         self._inputs_pending -= 1
@@ -104,7 +103,8 @@ class FSDPState:
             self.post_backward()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = pytree.tree_leaves(output)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         self._modules_left -= 1
@@ -227,7 +227,7 @@ class RootContext:
     def begin_backward(self) -> None:
         if not self.in_backward:
             self.in_backward = True
-            Variable._execution_engine.queue_callback(self.end_backward)
+            queue_backward_callback(self.end_backward)
 
     def reducing(self, unit: Unit) -> None:
         """``unit`` issued its reduce-scatter; it is finished by the next unit's or the final callback."""

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ragged import Layout, TensorSlot
 from torch_backend._collectives import Pending, all_gather, all_reduce, reduce_scatter, side_stream
 from torch_backend._debug import record_copy
+from torch_backend._torch_internals import preserve_version_counter, set_local_tensor
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._dbuffer import DBuffer
 from torch_backend.placement._dtensor_hooks import make_dtensor
@@ -119,7 +120,7 @@ class Unit:
         self._landed: set[int] = set()  # indices of the params that received a gradient since the reduce
         self._reduced: set[int] = set()  # those of them in the reduce in flight
         self._version = -1  # the unsharded buffer's version once filled (to detect user writes)
-        self._keep_version: torch.autograd._unsafe_preserve_version_counter | None = None
+        self._keep_version: preserve_version_counter | None = None
         self.post_backward_callback = None  # set by the hooks: called when all gradients landed
 
     def _build_buffers(self, master_dtype: torch.dtype, device: torch.device) -> None:
@@ -165,7 +166,7 @@ class Unit:
         """
         self.reshard()
         params = [ref.module._parameters[ref.attr] for ref in self.refs]
-        locals_ = [p._local_tensor for p in params]
+        locals_ = [p.to_local() for p in params]  # under no_grad: the local tensor itself
         if any(t.is_meta for t in locals_):
             return  # ``to("meta")``: nothing to keep; the buffers stay as they are
         first = locals_[0]
@@ -178,7 +179,7 @@ class Unit:
                     view.untyped_storage().data_ptr(), view.storage_offset()):
                 record_copy(view, local)
                 view.copy_(local.reshape(-1))
-            p._local_tensor = view
+            set_local_tensor(p, view)
         self.sharded = params
         self._register(self.sharded)
 
@@ -215,7 +216,7 @@ class Unit:
             # The all-gather refills memory that autograd saved in forward (reshard_after_forward) with
             # the same values, so the version counter guarding saved tensors must not move: remember it
             # now and restore it once the collective is done (gloo bumps it when the work completes).
-            self._keep_version = torch.autograd._unsafe_preserve_version_counter(self.compute.full)
+            self._keep_version = preserve_version_counter(self.compute.full)
             self._pending_all_gather = all_gather(self.compute.full, self.compute.shard, self.shard_group,
                                                   unit=self.name)
         if not async_op:

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.utils import _pytree as pytree
 
 import ragged
+from torch_backend._torch_internals import mutates_self, pytree
 from torch_backend.placement._placement import RaggedShard
 
 aten = torch.ops.aten
@@ -197,11 +197,6 @@ def _reduced(op, x: Operand, kind: Any) -> tuple[Placement, ...]:
         else:
             raise _error(op, x, f"cannot reduce a {p} placement")
     return tuple(out)
-
-
-def mutates_self(op) -> bool:
-    alias = op._schema.arguments[0].alias_info if op._schema.arguments else None
-    return bool(alias is not None and alias.is_write)
 
 
 def _elementwise(op, args, kwargs, ref: Operand, out_shapes) -> Rule:
