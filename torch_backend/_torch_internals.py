@@ -53,7 +53,9 @@ __all__ = [
     "return_and_correct_aliasing",
     "root_mesh",
     "set_local_tensor",
+    "set_parameter",
     "state_dict_utils",
+    "version_of",
 ]
 
 SUPPORTED = ((2, 11), (2, 13))
@@ -61,6 +63,11 @@ SUPPORTED = ((2, 11), (2, 13))
 # ``with preserve_version_counter(t):`` restores ``t``'s autograd version counter on exit (a collective
 # that refills saved memory with the same values must not invalidate what autograd saved).
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """``tensor``'s autograd version counter (bumped by every in-place write)."""
+    return tensor._version
 
 
 def current_mesh() -> DeviceMesh:
@@ -76,6 +83,15 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def set_local_tensor(dt: DTensor, local: torch.Tensor) -> None:
     """Make ``local`` (same shape and dtype) the storage of ``dt`` in place, keeping the object."""
     dt._local_tensor = local
+
+
+def set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    """Register ``param`` as ``module.<name>`` in place of the parameter registered there.
+
+    What ``nn.Module.__setattr__`` does for a registered parameter, without its per-call checks and
+    global hooks (FSDP2's ``unsafe_setattr_param``): it runs for every parameter at every unshard/reshard.
+    """
+    module._parameters[name] = param
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

@@ -16,8 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ragged
 from torch_backend import MixedPrecisionPolicy, fully_shard, plan_module
-from torch_backend.fsdp._dbuffer import DBuffer
-from torch_backend.fsdp._unit import UnitState
+from torch_backend.fsdp import DBuffer, UnitState, units
 from torch_backend.models import Llama, cross_entropy, parallelize
 
 UNIT_GROUPS = {
@@ -131,12 +130,12 @@ def mesh():
 def test_sharded_parameters_and_gradients_are_views_into_the_buffers(mesh):
     model = parallelize(Llama(), mesh)
     block = model.layers[0]
-    unit = block._fsdp_state.unit
+    unit = units(block)[0]
     x = torch.randint(0, 256, (2, 8))
     cross_entropy(model(x), x).backward()
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     for ref, p in zip(unit.refs, unit.sharded):
-        assert ref.module._parameters[ref.attr] is p  # sharded again after backward
+        assert getattr(ref.module, ref.attr) is p  # sharded again after backward
         assert storage(p.to_local()) == storage(unit.master.shard)
         assert storage(p.grad.to_local()) == storage(unit.main_grad.shard)
     assert not unit.compute.full_allocated and not unit.grads.full_allocated  # freed after backward
@@ -144,7 +143,7 @@ def test_sharded_parameters_and_gradients_are_views_into_the_buffers(mesh):
 
 def test_unshard_reshard_and_prefetch(mesh):
     model = parallelize(Llama(), mesh)
-    unit = model.layers[2]._fsdp_state.unit
+    unit = units(model.layers[2])[0]
     assert unit.state is UnitState.SHARDED
     handle = model.layers[2].unshard(async_op=True)
     handle.wait()
@@ -170,10 +169,10 @@ def test_unshard_reshard_and_prefetch(mesh):
 def test_fully_shard_a_list_and_the_root_names_units_by_fqn(mesh):
     model = Llama()
     fully_shard([model.norm, model.output], mesh=mesh)
-    assert model.output._fsdp_state is model.norm._fsdp_state
-    assert [r.name for r in model.output._fsdp_state.unit.refs] == ["0.weight", "1.weight"]
+    assert units(model.output)[0] is units(model.norm)[0]
+    assert [r.name for r in units(model.output)[0].refs] == ["0.weight", "1.weight"]
     fully_shard(model, mesh=mesh)
-    unit = model.output._fsdp_state.unit
+    unit = units(model.output)[0]
     assert unit.name == "output" and [r.name for r in unit.refs] == ["norm.weight", "output.weight"]
     assert unit.layout == plan_module([model.norm, model.output], 1, root=model)
 
@@ -216,7 +215,7 @@ def test_apply_changing_dtype_rebuilds_the_unit_and_keeps_views(mesh):
     before = list(model.parameters())
     model.double()
     plain.double()
-    unit = model._fsdp_state.unit
+    unit = units(model)[0]
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     assert list(model.parameters()) == before  # the same parameter objects (an optimizer keeps them)
     for p in model.parameters():

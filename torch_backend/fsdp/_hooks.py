@@ -12,6 +12,7 @@ finishes every reduce and reshards whatever is still unsharded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,15 +46,16 @@ class FSDPState:
         if unit is not None:
             unit.post_backward_callback = self._maybe_post_backward
         for m in modules:
-            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            m.register_forward_hook(self._post_forward)
+            m.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            m.register_forward_hook(self.post_forward)
+            m._fsdp_state = self
 
     @property
     def is_root(self) -> bool:
         return self.root is not None and self.root.state is self
 
     # ----- forward ---------------------------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root is None:
             RootContext(self)
         if self.is_root and self._modules_left == 0:
@@ -99,10 +101,10 @@ class FSDPState:
 
     def _maybe_post_backward(self) -> None:
         unit = self.unit
-        if unit is not None and unit._grads_ready and unit._grads_left == 0 and self._inputs_pending == 0:
+        if unit is not None and unit.all_grads_landed and self._inputs_pending == 0:
             self.post_backward()
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         leaves = pytree.tree_leaves(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
@@ -139,6 +141,22 @@ class FSDPState:
         self.root.finish_reduces()
         if self.unit.post_backward():
             self.root.reducing(self.unit)
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The FSDP state of a module ``fully_shard`` was called on (None for any other module)."""
+    return getattr(module, "_fsdp_state", None)
+
+
+def states_under(modules: Sequence[nn.Module], recurse: bool = True) -> list[FSDPState]:
+    """The distinct FSDP states of ``modules`` (and of every module below them when ``recurse``)."""
+    seen: dict[int, FSDPState] = {}
+    for top in modules:
+        for m in top.modules() if recurse else [top]:
+            s = state_of(m)
+            if s is not None:
+                seen.setdefault(id(s), s)
+    return list(seen.values())
 
 
 class _InputsDone(torch.autograd.Function):
@@ -183,13 +201,7 @@ class RootContext:
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
-        seen: dict[int, FSDPState] = {}
-        for top in state.modules:
-            for m in top.modules():
-                s = getattr(m, "_fsdp_state", None)
-                if s is not None:
-                    seen.setdefault(id(s), s)
-        self.states = list(seen.values())
+        self.states = states_under(state.modules)
         _check_one_unit_per_parameter(state.modules, self.states)
         self.forward_order: list[FSDPState] = []
         self.last_forward_order: list[FSDPState] = []
@@ -242,7 +254,7 @@ class RootContext:
     def end_backward(self) -> None:
         """The end-of-backward callback: reduce units whose hooks did not all fire, finish, reshard."""
         for s in self.states:
-            if s.unit is not None and s.unit._grads_ready:
+            if s.unit is not None and s.unit.grads_ready:
                 s.post_backward()  # some parameter got no gradient (unused in this forward)
         self.finish_reduces()
         self.end_step()

@@ -21,10 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torch_backend.fsdp._fully_shard import _states
-from torch_backend.placement._dtensor_hooks import install_state_dict_hook
-
-install_state_dict_hook()  # set_model_state_dict(..., broadcast_from_rank0=True) on RaggedShard
+from torch_backend.fsdp._fully_shard import units
 
 
 class CheckpointError(RuntimeError):
@@ -32,9 +29,8 @@ class CheckpointError(RuntimeError):
 
 
 def _resharded(model: nn.Module) -> None:
-    for state in _states(model):
-        if state.unit is not None:
-            state.unit.reshard()  # the modules then hold the sharded parameters
+    for unit in units(model):
+        unit.reshard()  # the modules then hold the sharded parameters
 
 
 def sharded_state_dict(model: nn.Module,

@@ -21,11 +21,15 @@ from torch.distributed.tensor import DTensor, Replicate
 from ragged import Layout, TensorSlot
 from torch_backend._collectives import Pending, all_gather, all_reduce, reduce_scatter, side_stream
 from torch_backend._debug import record_copy
-from torch_backend._torch_internals import preserve_version_counter, set_local_tensor
+from torch_backend._torch_internals import (
+    preserve_version_counter,
+    set_local_tensor,
+    set_parameter,
+    version_of,
+)
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._dbuffer import DBuffer
-from torch_backend.placement._dtensor_hooks import make_dtensor
-from torch_backend.placement._placement import RaggedShard
+from torch_backend.placement import RaggedShard, make_dtensor
 
 
 class UnitState(enum.Enum):
@@ -165,7 +169,7 @@ class Unit:
         (and an optimizer's references) stay the same.
         """
         self.reshard()
-        params = [ref.module._parameters[ref.attr] for ref in self.refs]
+        params = [getattr(ref.module, ref.attr) for ref in self.refs]
         locals_ = [p.to_local() for p in params]  # under no_grad: the local tensor itself
         if any(t.is_meta for t in locals_):
             return  # ``to("meta")``: nothing to keep; the buffers stay as they are
@@ -186,9 +190,9 @@ class Unit:
     # ----- registration ---------------------------------------------------------------------------
     def _register(self, params: list[nn.Parameter]) -> None:
         for ref, p in zip(self.refs, params):
-            ref.module._parameters[ref.attr] = p
+            set_parameter(ref.module, ref.attr, p)
             for module, attr in ref.shared:
-                module._parameters[attr] = p
+                set_parameter(module, attr, p)
 
     def rename(self, name: str, names: dict[str, str]) -> None:
         """Name the unit and its tensors (e.g. by FQNs once the root is known); no offset moves."""
@@ -229,7 +233,7 @@ class Unit:
             pending.wait()
             with self._keep_version:  # restores the version remembered at issue
                 pass
-            self._version = self.compute.full._version
+            self._version = version_of(self.compute.full)
         if self.state is UnitState.SHARDED:
             for sharded, unsharded in zip(self.sharded, self.unsharded):
                 unsharded.requires_grad_(sharded.requires_grad)  # a switch after wrapping takes effect
@@ -246,7 +250,7 @@ class Unit:
             self.wait_for_unshard()  # never free memory a collective is still writing
         if self.state is UnitState.SHARDED:
             return
-        if self.compute.full._version != self._version:
+        if version_of(self.compute.full) != self._version:
             lo, hi = self.layout.shard_range(self.rank)
             self.master.copy_(self.compute.full[lo:hi])
         self._register(self.sharded)
@@ -272,6 +276,16 @@ class Unit:
                 p.grad = self.grads.full_view(ref.name)
                 self._grads_left += 1
         self._grads_ready = True
+
+    @property
+    def grads_ready(self) -> bool:
+        """The unsharded ``.grad`` views are set for this backward (its gradients may still be landing)."""
+        return self._grads_ready
+
+    @property
+    def all_grads_landed(self) -> bool:
+        """Every gradient of this backward has landed in the unsharded gradient buffer."""
+        return self._grads_ready and self._grads_left == 0
 
     def _on_grad_accumulated(self, index: int) -> None:
         self._landed.add(index)

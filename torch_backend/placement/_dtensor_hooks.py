@@ -29,6 +29,8 @@ Hooks (the torch function each wraps):
      ``_local_scalar_dense`` (``.item()``).
   9. ``DTensor.__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``:
      torch.distributed.checkpoint metadata (see ``_dcp``).
+ 10. ``torch.distributed._state_dict_utils._distribute_tensors``: ``set_model_state_dict(...,
+     broadcast_from_rank0=True)`` copies each RaggedShard local's flat range of the full tensor.
 
 Hooks 1, 2 and 4 rebind the code of torch's function object (``_rebind``) rather than a module
 attribute, so callers that imported the function before ``torch_backend`` (``from
@@ -115,6 +117,8 @@ def register() -> None:
         for op in ops:
             _ORIGINAL[f"handler:{op}"] = handlers.get(op)
             handlers[op] = handler
+
+    _install_state_dict_hook()
 
     for attr, hook in (
         ("__create_write_items__", _create_write_items),
@@ -603,16 +607,18 @@ _REBOUND = {
     "_dtensor_init_helper": _dtensor_init_helper,
 }
 
-register()
+
+# ---------------------------------------------------------------------------------------------------
+# 10. torch.distributed._state_dict_utils._distribute_tensors (full state dicts broadcast from rank 0)
+# ---------------------------------------------------------------------------------------------------
 
 
-# ----- torch.distributed.checkpoint.state_dict: full state dicts broadcast from rank 0 -------------------
-def install_state_dict_hook() -> None:
+def _install_state_dict_hook() -> None:
     """Wrap ``torch.distributed._state_dict_utils._distribute_tensors`` (idempotent).
 
     ``set_model_state_dict(..., broadcast_from_rank0=True)`` broadcasts each full tensor, then copies
     the box torch computes for the placements into the local tensor; a RaggedShard local is a flat
-    range of that box, so it gets that range instead. Installed by ``torch_backend.fsdp._state_dict``.
+    range of that box, so it gets that range instead.
     """
     sd_utils = state_dict_utils()
     original = getattr(sd_utils, "_distribute_tensors", None)
@@ -639,3 +645,6 @@ def install_state_dict_hook() -> None:
         original(local_state_dict, [k for k in keys if k not in ragged], device, pg)
 
     sd_utils._distribute_tensors = _distribute_tensors
+
+
+register()
