@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torch_backend.fsdp._fully_shard import units
+from torch_backend.placement import make_dtensor
 
 
 class CheckpointError(RuntimeError):
@@ -114,6 +115,5 @@ def _like(param: nn.Parameter, size: tuple[int, ...]) -> torch.Tensor:
     """A zero destination for a saved optimizer tensor: the parameter's placement, or a plain scalar."""
     if size == tuple(param.shape) and isinstance(param, DTensor):
         local = torch.zeros_like(param.to_local())
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return make_dtensor(local, param.device_mesh, param.placements, param.shape)
     return torch.zeros(size, dtype=torch.float32)

@@ -58,11 +58,6 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
-def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: tuple[int, ...]) -> DTensor:
-    """A DTensor of global ``shape`` whose local tensor is ``local`` itself (a view, no copy)."""
-    return make_dtensor(local, mesh, placements, shape)  # from_local would take shape () for "infer"
-
-
 class Unit:
     """One FSDP unit (FSDP2's param group) over a 1-D (shard) or 2-D (replicate, shard) mesh.
 
@@ -110,7 +105,7 @@ class Unit:
             if not orig.is_meta:
                 self._copy_into_shard(ref.name, orig.detach())
             local = self.master.shard_view(ref.name)
-            self.sharded.append(nn.Parameter(_dtensor(local, mesh, placements, tuple(orig.shape)),
+            self.sharded.append(nn.Parameter(make_dtensor(local, mesh, placements, tuple(orig.shape)),
                                              requires_grad=orig.requires_grad))
         self._register(self.sharded)
 
@@ -143,8 +138,8 @@ class Unit:
         self._sharded_grads: list[DTensor] = []
         for i, (ref, placements) in enumerate(zip(self.refs, self._placements)):
             slot = layout.slot(ref.name)
-            self._sharded_grads.append(_dtensor(self.main_grad.shard_view(ref.name), self.mesh, placements,
-                                                slot.shape))
+            grad = self.main_grad.shard_view(ref.name)
+            self._sharded_grads.append(make_dtensor(grad, self.mesh, placements, slot.shape))
             # Hooks on every parameter: ``requires_grad`` may be switched on after wrapping.
             unsharded = nn.Parameter(self.compute.full_view(ref.name))
             unsharded.register_hook(self._on_first_grad)

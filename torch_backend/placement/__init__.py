@@ -8,7 +8,7 @@ rest of torch_backend builds on.
 
 from torch_backend.placement._dtensor_hooks import make_dtensor
 from torch_backend.placement._ops import UnsupportedRaggedOp
-from torch_backend.placement._placement import RaggedShard
+from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
 from torch_backend.placement._redistribute import start_all_to_all
 
-__all__ = ["RaggedShard", "UnsupportedRaggedOp", "make_dtensor", "start_all_to_all"]
+__all__ = ["RaggedShard", "UnsupportedRaggedOp", "make_dtensor", "ragged_mesh_dim", "start_all_to_all"]

@@ -71,7 +71,7 @@ from torch_backend._torch_internals import (
 )
 from torch_backend.placement import _dcp, _ops
 from torch_backend.placement import _redistribute as rd
-from torch_backend.placement._placement import RaggedShard
+from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
 
 aten = torch.ops.aten
 _ORIGINAL: dict[str, object] = {}
@@ -224,7 +224,7 @@ def make_dtensor(
 
 def local_piece(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
     """This device's flat local slice of a full (global-shaped) tensor, without communication."""
-    m = rd.ragged_mesh_dim(placements)
+    m = ragged_mesh_dim(placements)
     box, offset = box_offset(full.shape, mesh, placements, mesh.get_coordinate())
     boxed = full[tuple(slice(o, o + n) for o, n in zip(offset, box))]
     a, b = placements[m].core.ranges(box)[mesh.get_local_rank(m)]
@@ -279,7 +279,7 @@ def _distribute_tensor(tensor, device_mesh=None, placements=None, **kwargs):
     shape = tuple(tensor.shape)
     own, every = boxes(shape, mesh, placements)
     rd.validate(placements, mesh, shape, every)
-    m = rd.ragged_mesh_dim(placements)
+    m = ragged_mesh_dim(placements)
     # torch distributes the standard placements (a broadcast from src_data_rank keeps ranks consistent);
     # the RaggedShard is then a local slice of the box.
     standard = tuple(Replicate() if i == m else p for i, p in enumerate(placements))
@@ -325,7 +325,7 @@ def _dtensor_init_helper(init_op, size, device_mesh=None, placements=None, **kwa
         # generator's state equal the single-process call with the same seed, at every world size.
         local = local_piece(init_op(shape, **kwargs), mesh, placements).clone()
     else:
-        m = rd.ragged_mesh_dim(placements)
+        m = ragged_mesh_dim(placements)
         numel = placements[m].core.local_numel(own, mesh.get_local_rank(m))
         fill = (kwargs.pop("fill_value", 0),) if init_op is torch.full else ()
         local = init_op((numel,), *fill, **kwargs)
@@ -460,7 +460,7 @@ def _reduction_handler(op, args, kwargs):
     x = args[0]
     if not (isinstance(x, DTensor) and has_ragged(x.placements)):
         return _fallback(op, args, kwargs)
-    rank = x.device_mesh.get_local_rank(rd.ragged_mesh_dim(x.placements))
+    rank = x.device_mesh.get_local_rank(ragged_mesh_dim(x.placements))
     local, placements, shape = _ops.reduce(
         op,
         x._local_tensor,
@@ -526,7 +526,7 @@ def _select_handler(op, args, kwargs):
     names = dict(zip(("dim", "index"), args[1:])) | kwargs
     if not (isinstance(x, DTensor) and has_ragged(x.placements) and names["dim"] % max(x.ndim, 1) == 0):
         return _fallback(op, args, kwargs)
-    mesh, m = x.device_mesh, rd.ragged_mesh_dim(x.placements)
+    mesh, m = x.device_mesh, ragged_mesh_dim(x.placements)
     start, stop, placements = _ops.select_first(
         op, tuple(x.shape), tuple(x.placements), mesh.get_local_rank(m), names["index"]
     )
@@ -574,7 +574,7 @@ def _default_dispatch(op, args, kwargs):
 
 def _ragged_chunks(dt: DTensor) -> list[_dcp.Chunk]:
     placements = dt.placements
-    m = rd.ragged_mesh_dim(placements)
+    m = ragged_mesh_dim(placements)
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError(f"cannot checkpoint a DTensor with Partial placements {placements}")
     box, offset = box_offset(dt.shape, dt.device_mesh, placements, dt.device_mesh.get_coordinate())
@@ -636,10 +636,9 @@ def _install_state_dict_hook() -> None:
             local_state, full = local_state_dict[key]
             local = local_state.to_local()
             if not local_state.is_meta:
-                placement = next(p for p in local_state.placements if isinstance(p, RaggedShard))
-                mesh_dim = list(local_state.placements).index(placement)
-                start, stop = placement.core.ranges(tuple(full.shape))[local_state.device_mesh.get_local_rank(
-                    mesh_dim)]
+                m = ragged_mesh_dim(local_state.placements)
+                ranges = local_state.placements[m].core.ranges(tuple(full.shape))
+                start, stop = ranges[local_state.device_mesh.get_local_rank(m)]
                 local.copy_(full.reshape(-1)[start:stop])
             local_state_dict[key] = local_state
         original(local_state_dict, [k for k in keys if k not in ragged], device, pg)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 import ragged
 from torch_backend._torch_internals import mutates_self, pytree
-from torch_backend.placement._placement import RaggedShard
+from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
 
 aten = torch.ops.aten
 
@@ -146,6 +146,14 @@ def _error(op, operand: Operand, why: str) -> UnsupportedRaggedOp:
         f"{operand.placements}: {why}. Redistribute it (e.g. dt.redistribute(mesh, [Replicate()]) or "
         "dt.full_tensor()) before calling this op."
     )
+
+
+def _ragged_dim_beside_replicate(op, operand: Operand, what: str) -> int:
+    """The ragged mesh dim of ``operand``, whose other mesh dims must be Replicate for ``what``."""
+    m = ragged_mesh_dim(operand.placements)
+    if any(not isinstance(p, Replicate) for i, p in enumerate(operand.placements) if i != m):
+        raise _error(op, operand, f"{what} supports Replicate beside the RaggedShard only")
+    return m
 
 
 def rule(op, args: Any, kwargs: dict[str, Any], out_shapes: Any) -> Rule:
@@ -301,9 +309,7 @@ def reduce(
         UnsupportedRaggedOp: for Shard/Partial beside the RaggedShard.
     """
     operand = Operand(shape, placements)
-    m = next(i for i, p in enumerate(placements) if isinstance(p, RaggedShard))
-    if any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i != m):
-        raise _error(op, operand, "reductions over dims support Replicate beside the RaggedShard only")
+    m = _ragged_dim_beside_replicate(op, operand, "reductions over dims")
     kind, order, dims, keepdim, dtype = _parse_reduction(op, args, kwargs, len(shape))
     core = placements[m].core
     k = len(core.dims)
@@ -415,9 +421,7 @@ def select_first(
         IndexError: (on every rank) for an index out of range.
     """
     operand = Operand(shape, placements)
-    m = next(i for i, p in enumerate(placements) if isinstance(p, RaggedShard))
-    if any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i != m):
-        raise _error(op, operand, "select supports Replicate beside the RaggedShard only")
+    m = _ragged_dim_beside_replicate(op, operand, "select")
     if not -shape[0] <= index < shape[0]:
         raise IndexError(f"index {index} is out of bounds for dimension 0 with size {shape[0]}")
     block = math.prod(shape[1:])

@@ -79,3 +79,18 @@ class RaggedShard(Placement):
     def __reduce__(self):
         # Placements travel through pickling (DCP metadata, spawn workers); rebuild from the two fields.
         return (RaggedShard, (self.dims, self.local_units))
+
+
+def ragged_mesh_dim(placements: Sequence[Placement], name: str = "tensor") -> int | None:
+    """The mesh dim that holds a RaggedShard (``None`` if none).
+
+    Raises:
+        ragged.PlacementError: if more than one mesh dim holds a RaggedShard.
+    """
+    found = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
+    if len(found) > 1:
+        raise ragged.PlacementError(
+            f"{name}: placements {tuple(placements)} put a RaggedShard on mesh dims {found}; a tensor "
+            "may be ragged-sharded on one mesh dim only (use Shard or Replicate on the others)"
+        )
+    return found[0] if found else None

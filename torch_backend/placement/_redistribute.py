@@ -23,15 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 import ragged
-from torch_backend._collectives import all_to_all, side_stream
-from torch_backend.placement._placement import RaggedShard
+from torch_backend._collectives import all_gather_flat, all_to_all, reduce_scatter_flat, side_stream
+from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
 
 Shape = tuple[int, ...]
-
-# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (deprecated there) to *_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# (same rename) (deprecated there) to reduce_scatter_single.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -39,21 +34,6 @@ _REDUCE_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-
-
-def ragged_mesh_dim(placements: Sequence[Placement], name: str = "tensor") -> int | None:
-    """The mesh dim that holds a RaggedShard (``None`` if none).
-
-    Raises:
-        ragged.PlacementError: if more than one mesh dim holds a RaggedShard.
-    """
-    found = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
-    if len(found) > 1:
-        raise ragged.PlacementError(
-            f"{name}: placements {tuple(placements)} put a RaggedShard on mesh dims {found}; a tensor "
-            "may be ragged-sharded on one mesh dim only (use Shard or Replicate on the others)"
-        )
-    return found[0] if found else None
 
 
 def validate(
@@ -232,7 +212,7 @@ def _gather(
     padded = flat.new_zeros(pad)
     padded[: flat.numel()] = flat
     gathered = flat.new_empty(world * pad)
-    _all_gather_single(gathered, padded, group=group)
+    all_gather_flat(gathered, padded, group=group)
     out = flat.new_empty(numel)
     for s, intervals in enumerate(src_h):
         pos = s * pad
@@ -260,7 +240,7 @@ def _reduce_scatter(
     for i, (a, b) in enumerate(ranges):
         send[i * pad : i * pad + b - a] = flat[a:b]
     recv = flat.new_empty(pad)
-    _reduce_scatter_single(recv, send, op=_REDUCE_OPS[src.reduce_op], group=group)
+    reduce_scatter_flat(recv, send, op=_REDUCE_OPS[src.reduce_op], group=group)
     a, b = ranges[rank]
     out = recv[: b - a]
     if src.reduce_op == "avg":
@@ -405,7 +385,7 @@ def check_local_numel(
         [local.numel(), placements[m].core.local_numel(box, rank)], dtype=torch.int64, device=mesh.device_type
     )
     every = mine.new_empty(mesh.size(m) * 2)
-    _all_gather_single(every, mine, group=mesh.get_group(m))
+    all_gather_flat(every, mine, group=mesh.get_group(m))
     pairs = every.view(-1, 2).tolist()
     wrong = {r: (got, want) for r, (got, want) in enumerate(pairs) if got != want}
     anywhere = torch.tensor([len(wrong)], dtype=torch.int64, device=mesh.device_type)
