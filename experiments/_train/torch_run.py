@@ -130,23 +130,23 @@ def save(path: Path, model, opt: torch.optim.Optimizer, optimizer_name: str) -> 
     """The model (and AdamW's state) through DCP, reshardable; 8-bit Adam's and Muon's state, which are
     local tensors per rank (not shaped like the parameters), as each rank's ``state_dict`` beside it,
     written first: ``step_<N>`` appears last, complete."""
-    from torch_backend import save_checkpoint
+    from torch_backend import save_dcp_checkpoint
 
     if optimizer_name == "adamw":
-        save_checkpoint(path, model, opt)
+        save_dcp_checkpoint(path, model, opt)
         return
     _rank_state(path).parent.mkdir(parents=True, exist_ok=True)
     torch.save(opt.state_dict(), _rank_state(path))
-    save_checkpoint(path, model)
+    save_dcp_checkpoint(path, model)
 
 
 def load(path: Path, model, opt: torch.optim.Optimizer, optimizer_name: str) -> None:
-    from torch_backend import load_checkpoint
+    from torch_backend import load_dcp_checkpoint
 
     if optimizer_name == "adamw":
-        load_checkpoint(path, model, opt)
+        load_dcp_checkpoint(path, model, opt)
         return
-    load_checkpoint(path, model)
+    load_dcp_checkpoint(path, model)
     if not _rank_state(path).exists():
         raise SystemExit(f"{path}: no {optimizer_name} state for rank {dist.get_rank()} (its state is per "
                          "rank: resume at the world size it was saved with)")

@@ -15,7 +15,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ragged
-from torch_backend import MixedPrecisionPolicy, fully_shard, plan_module
+import torch_backend
+from torch_backend import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    load_dcp_checkpoint,
+    plan_module,
+    save_dcp_checkpoint,
+)
 from torch_backend.fsdp import DBuffer, UnitState, units
 from torch_backend.models import Llama, cross_entropy, parallelize
 
@@ -226,3 +233,13 @@ def test_apply_changing_dtype_rebuilds_the_unit_and_keeps_views(mesh):
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.full_tensor(), q)
         torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+
+
+def test_dcp_checkpoint_refusals_raise_the_core_checkpoint_error(tmp_path):
+    """One checkpoint error for every format: DCP's refusals (before any collective) are ragged's."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ragged.CheckpointError, match="save_dcp_checkpoint: .* exists already"):
+        save_dcp_checkpoint(tmp_path, model)
+    with pytest.raises(ragged.CheckpointError, match="load_dcp_checkpoint: .* not a complete checkpoint"):
+        load_dcp_checkpoint(tmp_path / "missing", model)
+    assert torch_backend.CheckpointError is ragged.CheckpointError

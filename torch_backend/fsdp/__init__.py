@@ -6,6 +6,7 @@ in a ``UnitState``) that tests and benchmarks inspect.
 
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._dbuffer import DBuffer
+from torch_backend.fsdp._dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
 from torch_backend.fsdp._fully_shard import (
     FSDPModule,
     GranularityArg,
@@ -17,11 +18,9 @@ from torch_backend.fsdp._fully_shard import (
     unsharded,
 )
 from torch_backend.fsdp._neutral_checkpoint import load_neutral_checkpoint, save_neutral_checkpoint
-from torch_backend.fsdp._state_dict import CheckpointError, load_checkpoint, save_checkpoint
 from torch_backend.fsdp._unit import Unit, UnitState
 
 __all__ = [
-    "CheckpointError",
     "DBuffer",
     "FSDPModule",
     "GranularityArg",
@@ -30,11 +29,11 @@ __all__ = [
     "UnitState",
     "clip_grad_norm_",
     "fully_shard",
-    "load_checkpoint",
+    "load_dcp_checkpoint",
     "load_neutral_checkpoint",
     "plan_module",
     "register_fsdp_forward_method",
-    "save_checkpoint",
+    "save_dcp_checkpoint",
     "save_neutral_checkpoint",
     "units",
     "unsharded",
