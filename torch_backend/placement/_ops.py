@@ -5,7 +5,7 @@ placement exactly when running it on the flat locals is the same as running it o
 and slicing: elementwise ops (``torch.Tag.pointwise``, copies and fills, ``_foreach_*``, the fused
 optimizer kernels) whose tensor operands all share the placement and shape (0-d scalars
 are fine; a partial one, ``x / x.norm()``, is reduced first). Reductions to a scalar become a Partial.
-Reductions over dims run on the local's block view ``(blocks, *shape[k:])``: dims after the ragged
+Reductions over dims run on the local's sub-tensor view ``(n, *shape[k:])``: dims after the ragged
 prefix stay RaggedShard, dims inside it leave a Partial; a device holding nothing contributes the
 reduction's identity. Everything else raises ``UnsupportedRaggedOp`` naming the op and the placement.
 
@@ -285,12 +285,12 @@ def reduce(
 ) -> tuple[torch.Tensor, tuple[Any, ...], tuple[int, ...]]:
     """Run a reduction of ``REDUCTIONS_WITH_DIM`` on a RaggedShard local tensor.
 
-    Mechanism: with ``dims = (0..k-1)`` the local is ``nb`` whole blocks, viewed as
+    Mechanism: with ``dims = (0..k-1)`` the local is ``nb`` whole sub-tensors, viewed as
     ``(nb, *shape[k:])``. Reducing only dims ``>= k`` runs on that view and keeps the RaggedShard
-    (same dims and units, on the output shape). Reducing every dim gives a scalar partial; a device
+    (same dims and local_units, on the output shape). Reducing every dim gives a scalar partial; a device
     that holds nothing contributes the reduction's identity (0 for sums, -inf for max, +inf for min
     and for norms of negative order, whose partials combine as ``sum(n_i ** p)``). Reducing some dim
-    ``< k`` places the local blocks in a tensor of the full shape filled with that identity and
+    ``< k`` places the local sub-tensors in a tensor of the full shape filled with that identity and
     reduces it: each device then holds a full-shaped partial result.
 
     Args:
@@ -412,7 +412,7 @@ def select_first(
 ) -> tuple[int, int, tuple[Placement, ...]]:
     """``x[index]`` (``select`` on dim 0) as a view of the flat local: (start, stop, output placements).
 
-    The selected block is one contiguous flat interval, so each device's part of it is a slice of its
+    The selected sub-tensor is one contiguous flat interval, so each device's part of it is a slice of its
     local tensor; the output is element-granular RaggedShard over those parts (one-hot for a 0-d
     result). This keeps HuggingFace's ``init.zeros_(weight[padding_idx])`` a local write.
 
@@ -424,14 +424,14 @@ def select_first(
     m = _ragged_dim_beside_replicate(op, operand, "select")
     if not -shape[0] <= index < shape[0]:
         raise IndexError(f"index {index} is out of bounds for dimension 0 with size {shape[0]}")
-    block = math.prod(shape[1:])
-    lo = (index % shape[0]) * block
+    row = math.prod(shape[1:])  # elements of x[index]
+    lo = (index % shape[0]) * row
     ranges = placements[m].core.ranges(shape)
-    parts = [max(0, min(b, lo + block) - max(a, lo)) for a, b in ranges]
+    parts = [max(0, min(b, lo + row) - max(a, lo)) for a, b in ranges]
     out_dims = tuple(range(len(shape) - 1))
     a, b = ranges[rank]
-    start, stop = min(max(lo - a, 0), b - a), min(max(lo + block - a, 0), b - a)
-    if block == 0:
+    start, stop = min(max(lo - a, 0), b - a), min(max(lo + row - a, 0), b - a)
+    if row == 0:
         return start, stop, tuple(Replicate() if i == m else p for i, p in enumerate(placements))
     out = RaggedShard(out_dims, parts) if out_dims else RaggedShard((), [int(n > 0) for n in parts])
     return start, stop, tuple(out if i == m else p for i, p in enumerate(placements))

@@ -53,7 +53,7 @@ def validate(
         name: the tensor's name for error messages.
 
     Raises:
-        ragged.PlacementError: two RaggedShards, a wrong number of units, or units that cut a block.
+        ragged.PlacementError: two RaggedShards, a wrong number of blocks, or blocks that cut a sub-tensor.
     """
     if len(placements) != mesh.ndim:
         raise ragged.PlacementError(
@@ -204,7 +204,7 @@ def _gather(
     sizes = [sum(b - a for a, b in h) for h in src_h]
     holders = [i for i, n in enumerate(sizes) if n]
     if len(holders) == 1 and sizes[holders[0]] == numel:
-        # One device holds everything (one-hot units): a broadcast moves numel, not world * numel.
+        # One device holds everything (one-hot blocks): a broadcast moves numel, not world * numel.
         out = flat.clone() if sizes[rank] else flat.new_empty(numel)
         dist.broadcast(out, group=group, group_src=holders[0])
         return out
@@ -334,13 +334,13 @@ def _box_local(src: tuple[Placement, ...], dst: tuple[Placement, ...], m: int) -
 def infer_global_numel(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> int:
     """The global numel of ``from_local`` without ``shape``: the flat 1-D tensor the locals tile.
 
-    Mechanism: a device with ``u > 0`` units knows the unit size (``local.numel() / u``); when some
-    device has zero units every device of the mesh dim takes the max over the group (all devices know
-    the units, so all of them join the same collective). Shard(0) on other mesh dims sums the boxes.
+    Mechanism: a device with ``n > 0`` blocks knows the block size (``local.numel() / n``); when some
+    device has zero blocks every device of the mesh dim takes the max over the group (all devices know
+    ``local_units``, so all of them join the same collective). Shard(0) on other mesh dims sums the boxes.
 
     Raises:
         ragged.PlacementError: if the RaggedShard has more than one dim (no 1-D shape fits it) or the
-            local numel is not a multiple of this device's units.
+            local numel is not a multiple of this device's block count.
     """
     m = ragged_mesh_dim(placements)
     core = placements[m].core
@@ -350,18 +350,18 @@ def infer_global_numel(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[
             "a flat local tensor (only a 1-D shape can); pass shape= and stride="
         )
     rank = mesh.get_local_rank(m)
-    units = core.local_units[rank]
-    if units and local.numel() % units:
+    blocks = core.local_units[rank]
+    if blocks and local.numel() % blocks:
         raise ragged.PlacementError(
             f"from_local: local numel {local.numel()} is not a multiple of this device's "
-            f"{units} units (local_units={core.local_units})"
+            f"{blocks} blocks (local_units={core.local_units})"
         )
-    unit = local.numel() // units if units else 0
+    block = local.numel() // blocks if blocks else 0
     if 0 in core.local_units:
-        t = torch.tensor([unit], dtype=torch.int64, device=local.device)
+        t = torch.tensor([block], dtype=torch.int64, device=local.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(m))
-        unit = int(t.item())
-    numel = unit * sum(core.local_units)
+        block = int(t.item())
+    numel = block * sum(core.local_units)
     for j, p in enumerate(placements):
         if j != m and isinstance(p, Shard):
             t = torch.tensor([numel], dtype=torch.int64, device=local.device)
@@ -393,9 +393,9 @@ def check_local_numel(
         if j != m:
             dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=mesh.get_group(j))
     if wrong or anywhere.item():
-        where = ", ".join(f"index {r} has {a} elements, its units give {b}" for r, (a, b) in wrong.items())
+        where = ", ".join(f"index {r} has {a} elements, its blocks give {b}" for r, (a, b) in wrong.items())
         where = where or "a rank on another slice of the mesh has a local of the wrong size"
         raise ragged.PlacementError(
             f"from_local: local tensors do not match {placements[m]} of shape {tuple(shape)} on mesh dim {m} "
-            f"({where}); build each rank's local as the flat slice its units give it"
+            f"({where}); build each rank's local as the flat slice its blocks give it"
         )
