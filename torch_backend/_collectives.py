@@ -14,12 +14,13 @@ dependencies, no ``record_stream``.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from torch_backend._debug import record_collective
+from torch_backend._debug import record_collective, record_wait
 
 # torch 2.13 renames the flat-buffer collectives (same arguments) and deprecates the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,10 +42,13 @@ class Pending:
     def wait(self) -> None:
         work, self._work = self._work, None
         if work is not None:
+            start = time.perf_counter()
             try:
                 work.wait()
             except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError subclasses
                 raise CollectiveError(f"{self._what} failed: {e}") from e
+            finally:
+                record_wait(time.perf_counter() - start)
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
             self._event = None

@@ -147,6 +147,19 @@ def test_sharded_parameters_and_gradients_are_views_into_the_buffers(mesh):
     assert not unit.compute.full_allocated and not unit.grads.full_allocated  # freed after backward
 
 
+def test_debug_counter_times_the_collective_waits(mesh):
+    from torch_backend import debug_counter
+
+    model = parallelize(Llama(), mesh)
+    x = torch.randint(0, 256, (2, 8))
+    with debug_counter() as idle:
+        pass
+    with debug_counter() as c:
+        cross_entropy(model(x), x).backward()
+    assert c.per_unit("all_gather") and c.per_unit("reduce_scatter")
+    assert c.wait_seconds > 0 and idle.wait_seconds == 0
+
+
 def test_unshard_reshard_and_prefetch(mesh):
     model = parallelize(Llama(), mesh)
     unit = units(model.layers[2])[0]
