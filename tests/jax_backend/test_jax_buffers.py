@@ -52,7 +52,7 @@ def test_layouts_are_the_torch_backends(model, world, granularity):
     """The torch backend plans each ``fully_shard`` unit of its llama the same way: identical Layouts."""
     import torch
 
-    from torch_backend.fsdp._fully_shard import plan_module
+    from torch_backend import plan_module
     from torch_backend.models import Llama as TorchLlama
 
     with torch.device("meta"):
