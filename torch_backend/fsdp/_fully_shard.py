@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,14 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import ragged
-from ragged import Granularity, Layout, TensorSpec
+from ragged import Granularity, GranularityRule, Layout, TensorSpec
 from torch_backend._collectives import all_reduce
 from torch_backend._torch_internals import root_mesh
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._hooks import FSDPState, state_of, states_under
 from torch_backend.fsdp._unit import ParamRef, Unit
 
-GranularityArg = Callable[[str, torch.Tensor], Any] | Granularity | int | str | None
+GranularityArg = GranularityRule | Granularity | int | str | None
 
 
 class FSDPModule:
@@ -161,7 +161,7 @@ def _uses(modules: Sequence[nn.Module]) -> list[tuple[str | None, nn.Module, str
 
 def _resolve_granularity(granularity: GranularityArg, name: str, param: torch.Tensor) -> Granularity:
     if callable(granularity):
-        return Granularity.parse(granularity(name, param))
+        return Granularity.parse(granularity(name, tuple(param.shape)))
     return ragged.granularity_for(tuple(param.shape), "rows:1" if granularity is None else granularity)
 
 
@@ -190,8 +190,9 @@ def plan_module(module_or_modules: nn.Module | Sequence[nn.Module], world_size: 
         module_or_modules: one module or a list of modules planned as one unit.
         world_size: devices on the sharding mesh dim.
         granularity: None for FSDP2's expectation (whole rows of matrices, 1-D tensors element-wise),
-            one granularity for every matrix (e.g. ``"rows:32"``), or a function ``(name, param) ->``
-            granularity, called with the names that go into the Layout.
+            one granularity for every matrix (e.g. ``"rows:32"``), or a function ``(name, shape) ->``
+            granularity (``ragged.GranularityRule``, as on JAX), called with the names that go into the
+            Layout: relative to the module (FSDP2 has no root at wrap time) unless ``root`` is given.
         root: when given, tensors are named by their FQN under ``root`` and the Layout by the FQN of
             the last module (``"output"`` for ``[model.norm, model.output]``); otherwise names are
             relative to the module (prefixed by the list index for a list).
