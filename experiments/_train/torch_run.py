@@ -71,7 +71,7 @@ def build(args, config: ragged.LlamaConfig, mesh: DeviceMesh):
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     bf16 = args.dtype == "bf16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    granularity = (lambda name, p: ragged.tile_granularity(tuple(p.shape))) if args.granularity == "auto" \
+    granularity = (lambda name, shape: ragged.tile_granularity(shape)) if args.granularity == "auto" \
         and args.optimizer == "adam8bit" else (None if args.granularity == "auto" else args.granularity)
     parallelize(model, mesh, mp_policy=mp, granularity=granularity)
     for unit in [model.tok_embeddings, *model.layers, model.norm]:  # norm: the [norm, output] unit

@@ -56,7 +56,7 @@ def test_plan_module_names_and_granularity():
     for t in rows16.tensors:  # matrices in blocks of 16 whole rows, vectors element-wise
         assert t.block == (16 * t.shape[-1] if len(t.shape) == 2 else 1), t
     seen = []
-    by_fn = plan_module(model.layers[1], 4, lambda name, p: seen.append(name) or "whole")
+    by_fn = plan_module(model.layers[1], 4, lambda name, shape: seen.append(name) or "whole")
     assert all(t.block == t.numel for t in by_fn.tensors) and seen[0] == "attention.wq.weight"
     with pytest.raises(ragged.GranularityError, match="feed_forward.w1.weight.*rows:32"):
         plan_module(model.layers[1], 4, "rows:32")  # 176 rows are not a multiple of 32
