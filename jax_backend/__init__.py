@@ -8,10 +8,7 @@ from jax_backend._buffers import (
     LayoutMismatchError,
     check_mesh,
     check_params,
-    flatten_params,
-    fqn,
     pack_unit,
-    plan_units,
     shard_params,
     unpack_unit,
     unshard_params,
@@ -19,6 +16,7 @@ from jax_backend._buffers import (
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend._compat import make_mesh, shard_map
 from jax_backend._model import UnitError, fully_shard, shard_model
+from jax_backend._names import flatten_params, fqn
 from jax_backend._optax import (
     UnsupportedOptimizerError,
     check_optimizer,
@@ -27,12 +25,12 @@ from jax_backend._optax import (
     on_shards,
 )
 from jax_backend._redistribute import gather_tensor, scatter_tensor
-from jax_backend._step import FSDP, MixedPrecision, Stage, Units, gather_unit
+from jax_backend._step import FSDP, MixedPrecisionPolicy, Stage, Units, gather_unit
 
 __all__ = [
     "FSDP",
     "LayoutMismatchError",
-    "MixedPrecision",
+    "MixedPrecisionPolicy",
     "Stage",
     "UnitError",
     "Units",
@@ -52,7 +50,6 @@ __all__ = [
     "make_mesh",
     "on_shards",
     "pack_unit",
-    "plan_units",
     "save_checkpoint",
     "scatter_tensor",
     "shard_map",
