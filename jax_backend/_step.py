@@ -41,7 +41,7 @@ from jax_backend._buffers import (
     unshard_params,
 )
 from jax_backend._compat import shard_map
-from jax_backend._optax import check_optimizer
+from jax_backend._optax import shard_optimizer, state_specs
 from ragged import Layout
 
 
@@ -221,25 +221,23 @@ class FSDP:
     def _buffer_specs(self) -> dict[str, P]:
         return {lay.name: P(self.axis) for lay in self.layouts}
 
-    def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
-        """Per-element optimizer state is sharded like the buffers; scalars (step counts) are replicated.
+    def shard_optimizer(self, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``optimizer`` as the step runs it on the local shards, with optax's result on the full params.
 
-        Checks first that ``optimizer`` on flat shards equals optax on the full params (``check_optimizer``).
+        The params pytree optax sees is the user's (``shard_model``), else ``{fqn: array}``; see
+        ``jax_backend.shard_optimizer``.
+
+        Raises:
+            UnsupportedOptimizerError: a transformation the shards cannot honor, before anything runs.
         """
-        check_optimizer(optimizer, self.layouts)
-        local = {lay.name: jax.ShapeDtypeStruct((lay.shard_size,), jnp.float32) for lay in self.layouts}
+        return shard_optimizer(optimizer, self.layouts, self.axis,
+                               self.model.tree if self.model is not None else None)
 
-        def spec(path: Any, leaf: jax.ShapeDtypeStruct) -> P:
-            if leaf.ndim == 0:
-                return P()
-            if leaf.ndim == 1:
-                return P(self.axis)
-            raise LayoutMismatchError(
-                f"optimizer state leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}: only per-element "
-                "state (like Adam's moments) and scalars can live on flat shards"
-            )
-
-        return jax.tree_util.tree_map_with_path(spec, jax.eval_shape(optimizer.init, local))
+    def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
+        """The shard_map specs of ``optimizer``'s state (``optimizer`` as ``shard_optimizer`` returns it)."""
+        init = shard_map(optimizer.init, self.mesh, in_specs=(self._buffer_specs(),), out_specs=P())
+        buffers = {lay.name: jax.ShapeDtypeStruct((lay.total_numel,), jnp.float32) for lay in self.layouts}
+        return state_specs(jax.eval_shape(init, buffers), self.axis)
 
     # ----- buffers -----------------------------------------------------------------------------------
     def shard(self, params: Any) -> dict[str, jax.Array]:
@@ -256,7 +254,8 @@ class FSDP:
         return unshard_params(buffers, self.layouts)
 
     def init(self, optimizer: optax.GradientTransformation, buffers: Mapping[str, jax.Array]) -> Any:
-        """``optimizer.init`` on the local shards; the state is sharded like the buffers."""
+        """``optimizer.init`` on the local shards (``shard_optimizer``): the optimizer state of the step."""
+        optimizer = self.shard_optimizer(optimizer)
         specs = self._state_specs(optimizer)
         init = shard_map(optimizer.init, self.mesh, in_specs=(self._buffer_specs(),), out_specs=specs)
         return jax.jit(init)(dict(buffers))
@@ -324,6 +323,7 @@ class FSDP:
                 dim 0 the data-parallel size does not divide (when the step is traced).
         """
         n = self.data_size
+        optimizer = self.shard_optimizer(optimizer)
 
         def local_step(local: dict, opt_state: Any, inputs: Any, targets: Any) -> tuple:
             def local_loss(bufs: dict) -> tuple[jax.Array, Any]:
