@@ -20,11 +20,14 @@ from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoin
 from jax_backend._compat import make_mesh, shard_map
 from jax_backend._model import UnitError, fully_shard, shard_model
 from jax_backend._optax import (
+    ShardedState,
     UnsupportedOptimizerError,
     check_optimizer,
     clip_by_global_norm,
     global_norm,
     on_shards,
+    shard_optimizer,
+    unshard_state,
 )
 from jax_backend._redistribute import gather_tensor, scatter_tensor
 from jax_backend._step import FSDP, MixedPrecision, Stage, Units, gather_unit
@@ -33,6 +36,7 @@ __all__ = [
     "FSDP",
     "LayoutMismatchError",
     "MixedPrecision",
+    "ShardedState",
     "Stage",
     "UnitError",
     "Units",
@@ -57,7 +61,9 @@ __all__ = [
     "scatter_tensor",
     "shard_map",
     "shard_model",
+    "shard_optimizer",
     "shard_params",
     "unpack_unit",
     "unshard_params",
+    "unshard_state",
 ]

@@ -35,7 +35,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-from jax_backend._buffers import LayoutMismatchError, fqn
+from jax_backend._buffers import LayoutMismatchError, fqn, unshard_params
 from jax_backend._pieces import CALLS, ELEMENTWISE, Evaluator, Fill, Piece, UnsupportedOptimizerError, windows
 from ragged import Layout
 
@@ -125,6 +125,7 @@ class _Traced:
         state_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
         self.owners = [_owner(path, leaf, leaves) for path, leaf in state_leaves]
         prefixes: dict[str, int] = {}
+        self.prefixes: list[tuple] = []  # each slot's path in the state
         self.leaves: list[_Leaf] = []
         rest = 0
         for (path, _), owner in zip(state_leaves, self.owners):
@@ -133,6 +134,8 @@ class _Traced:
                 rest += 1
                 continue
             prefix = jax.tree_util.keystr(path[:len(path) - len(leaves[owner][0])])
+            if prefix not in prefixes:
+                self.prefixes.append(tuple(path[:len(path) - len(leaves[owner][0])]))
             slot = prefixes.setdefault(prefix, len(prefixes))
             if _Leaf(slot, owner) in self.leaves:
                 raise UnsupportedOptimizerError(
@@ -140,7 +143,9 @@ class _Traced:
                     "state must mirror the params pytree")
             self.leaves.append(_Leaf(slot, owner))
         self.slots = len(prefixes)
+        self.state_paths = [path for path, _ in state_leaves]
         self.state_avals = [leaf for _, leaf in state_leaves]
+        self.state_def = jax.tree_util.tree_structure(state)
 
     def uniform(self) -> bool:
         """True when ``update`` runs one element-wise program on every parameter (flat shards honor it)."""
@@ -262,6 +267,42 @@ def check_optimizer(tx: optax.GradientTransformation, layouts: Sequence[Layout],
     ``shard_optimizer`` without a shard axis: it traces ``tx`` and evaluates it once, without collectives.
     """
     shard_optimizer(tx, layouts, None, params)
+
+
+def unshard_state(tx: optax.GradientTransformation, state: Any, layouts: Sequence[Layout],
+                  params: Any = None) -> Any:
+    """The FSDP step's optimizer state as optax keeps it on the full params: ``tx.init(params)``'s pytree.
+
+    Per-parameter leaves come back whole (``unshard_params`` of their slot: static slices, exact); step
+    counts and norms as they are. For checkpoints of the optimizer state and for reading what a
+    transformation logged in its state (a global norm, say).
+
+    Args:
+        tx: the user's transformation, as given to ``FSDP.init`` (not an ``on_shards`` one).
+        state: the step's state of ``tx``.
+        layouts, params: as for ``shard_optimizer``.
+    """
+    if isinstance(tx, OnShards):
+        raise UnsupportedOptimizerError("an on_shards transformation keeps its own state layout: read it "
+                                        "as it is")
+    params = abstract_params(layouts) if params is None else params
+    traced = _Traced(tx, params)
+    if isinstance(state, ShardedState):
+        slots = [unshard_params(slot, [lay for lay in layouts if lay.name in slot]) for slot in state.slots]
+    else:  # tx ran on flat shards: a slot is the subtree {unit: buffer} at the slot's path
+        key = jax.tree_util.keystr
+        flat = {key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+        slots = [unshard_params({lay.name: flat[key((*prefix, jax.tree_util.DictKey(lay.name)))]
+                                 for lay in layouts}, layouts) for prefix in traced.prefixes]
+    leaves = []
+    for leaf, path in zip(traced.leaves, traced.state_paths):
+        if leaf.slot is not None:
+            leaves.append(slots[leaf.slot][traced.names[leaf.index]])
+        elif isinstance(state, ShardedState):
+            leaves.append(state.rest[leaf.index])
+        else:
+            leaves.append(flat[jax.tree_util.keystr(path)])
+    return jax.tree_util.tree_unflatten(traced.state_def, leaves)
 
 
 def state_specs(state: Any, axis: str) -> Any:

@@ -130,29 +130,29 @@ class Evaluator:
 
     def __init__(self, windows: Sequence[Window], names: Sequence[str], axis: str | None):
         self.windows, self.names, self.axis = list(windows), list(names), axis
-        self.device = lax.axis_index(axis) if axis is not None else 0
+        # every window's (start, lo, length, first) on this device: one row of one small table
+        table = np.stack([np.stack([w.start, w.lo, w.length, w.first], -1) for w in self.windows], axis=1)
+        device = lax.axis_index(axis) if axis is not None else 0
+        self.row = lax.dynamic_index_in_dim(jnp.asarray(table), device, keepdims=False)  # (params, 4)
+        self._valid: dict[int, jax.Array] = {}
 
     # ----- windows of unit shards ------------------------------------------------------------------
-    def _at(self, table: np.ndarray) -> jax.Array:
-        return jnp.asarray(table)[self.device]
-
     def valid(self, i: int) -> jax.Array:
         """``(size,)`` bool: which elements of parameter ``i``'s window are the device's piece."""
-        w = self.windows[i]
-        k = lax.iota(jnp.int32, w.size)
-        lo = self._at(w.lo)
-        return (k >= lo) & (k < lo + self._at(w.length))
+        if i not in self._valid:
+            k = lax.iota(jnp.int32, self.windows[i].size)
+            lo, length = self.row[i, 1], self.row[i, 2]
+            self._valid[i] = (k >= lo) & (k < lo + length)
+        return self._valid[i]
 
     def read(self, shard: jax.Array, i: int) -> Piece:
         """Parameter ``i``'s window of its unit's local shard ``(S,)``."""
-        w = self.windows[i]
-        return Piece(i, lax.dynamic_slice(shard, (self._at(w.start),), (w.size,)))
+        return Piece(i, lax.dynamic_slice(shard, (self.row[i, 0],), (self.windows[i].size,)))
 
     def write(self, shard: jax.Array, i: int, value: Any) -> jax.Array:
         """``shard`` with parameter ``i``'s piece replaced by that of ``value`` (full-shape, any kind)."""
-        w = self.windows[i]
-        start = self._at(w.start)
-        old = lax.dynamic_slice(shard, (start,), (w.size,))
+        start = self.row[i, 0]
+        old = lax.dynamic_slice(shard, (start,), (self.windows[i].size,))
         new = jnp.where(self.valid(i), self.window(i, value), old).astype(shard.dtype)
         return lax.dynamic_update_slice(shard, new, (start,))
 
@@ -176,7 +176,7 @@ class Evaluator:
                 f"{jnp.shape(x)}{what}: only scalars and values of the parameter's shape apply element-wise")
         # a full-shape array that does not derive from the parameter (rare: constants are Fills)
         flat = jnp.pad(jnp.ravel(x), (w.size, w.size))
-        return lax.dynamic_slice(flat, (self._at(w.first) + w.size,), (w.size,))
+        return lax.dynamic_slice(flat, (self.row[i, 3] + w.size,), (w.size,))
 
     # ----- the jaxpr ---------------------------------------------------------------------------------
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:

@@ -41,7 +41,7 @@ from jax_backend._buffers import (
     unshard_params,
 )
 from jax_backend._compat import shard_map
-from jax_backend._optax import shard_optimizer, state_specs
+from jax_backend._optax import shard_optimizer, state_specs, unshard_state
 from ragged import Layout
 
 
@@ -232,6 +232,11 @@ class FSDP:
         """
         return shard_optimizer(optimizer, self.layouts, self.axis,
                                self.model.tree if self.model is not None else None)
+
+    def unshard_state(self, optimizer: optax.GradientTransformation, state: Any) -> Any:
+        """The step's state of ``optimizer`` as optax keeps it on the full params (see ``unshard_state``)."""
+        return unshard_state(optimizer, state, self.layouts,
+                             self.model.tree if self.model is not None else None)
 
     def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
         """The shard_map specs of ``optimizer``'s state (``optimizer`` as ``shard_optimizer`` returns it)."""
