@@ -288,12 +288,19 @@ def unshard_state(tx: optax.GradientTransformation, state: Any, layouts: Sequenc
     params = abstract_params(layouts) if params is None else params
     traced = _Traced(tx, params)
     if isinstance(state, ShardedState):
-        slots = [unshard_params(slot, [lay for lay in layouts if lay.name in slot]) for slot in state.slots]
+        shards = list(state.slots)
     else:  # tx ran on flat shards: a slot is the subtree {unit: buffer} at the slot's path
         key = jax.tree_util.keystr
         flat = {key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
-        slots = [unshard_params({lay.name: flat[key((*prefix, jax.tree_util.DictKey(lay.name)))]
-                                 for lay in layouts}, layouts) for prefix in traced.prefixes]
+        shards = [{lay.name: flat[key((*prefix, jax.tree_util.DictKey(lay.name)))] for lay in layouts}
+                  for prefix in traced.prefixes]
+    # every slot's units in one unshard_params (one program): each slot's Layouts renamed "slot/name"
+    units = {lay.name: lay for lay in layouts}
+    renamed = [units[u].renamed(tuple(f"{k}/{t.name}" for t in units[u].tensors), f"{k}/{u}")
+               for k, slot in enumerate(shards) for u in slot]
+    full = unshard_params({f"{k}/{u}": b for k, slot in enumerate(shards) for u, b in slot.items()}, renamed)
+    slots = [{name: full[f"{k}/{name}"] for name in traced.names if f"{k}/{name}" in full}
+             for k in range(len(shards))]
     leaves = []
     for leaf, path in zip(traced.leaves, traced.state_paths):
         if leaf.slot is not None:
