@@ -6,8 +6,9 @@ used, ``all_gather(shard, tiled=True)`` rebuilds its flat buffer (in the compute
 its parameters, and its code runs (``Units``). The gather is a
 custom VJP whose backward is the unit's explicit ``psum_scatter(tiled=True)`` (in the reduce dtype),
 followed by a ``psum`` over the replica axis under HSDP, so each device ends with the gradient of exactly
-its own shard. The optax update then runs on the local shards: element-wise optimizers (Adam, AdamW, SGD)
-give the same result as on the full parameters, because padding stays zero (zero gradient, zero value).
+its own shard. The optax update then runs on the local shards with optax's result on the full params
+pytree (``shard_optimizer``: element-wise optimizers as they are, since padding stays zero; masks, labels
+and norms on each device's pieces of every parameter).
 
 Only the units in use are unsharded. With ``remat=True`` each stage is a custom VJP that keeps just the
 shard and the stage input: its backward gathers the unit again, runs the stage's VJP (recomputing its
@@ -306,7 +307,7 @@ class FSDP:
 
     def apply_optimizer(self, optimizer: optax.GradientTransformation, grads: dict, opt_state: Any,
                         local: dict) -> tuple[dict, Any]:
-        """The optax update on the local shards ``{unit: (S,)}`` (inside ``shard_map``).
+        """``optimizer`` (as ``shard_optimizer`` returns it) on the local shards ``{unit: (S,)}``.
 
         The seam for optimizers that need more than the flat shards: ``self.layouts`` (every tensor's
         offset in its unit) and ``self.model.tree`` / ``self.model.fqns`` (the user's param pytree).
@@ -324,6 +325,7 @@ class FSDP:
         averaged over devices and returned as a fourth output. ``buffers`` and ``opt_state`` are donated.
 
         Raises:
+            UnsupportedOptimizerError: an optimizer the shards cannot honor (``shard_optimizer``).
             LayoutMismatchError: optimizer state that is neither per-element nor scalar; a batch whose
                 dim 0 the data-parallel size does not divide (when the step is traced).
         """
