@@ -19,10 +19,15 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where it runs: the JAX worker never loads it
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 BATCH, SEQ, LR, WEIGHT_DECAY, SEED = 16, 32, 3e-3, 0.1, 0
 
@@ -43,14 +48,14 @@ def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ----- PyTorch ---------------------------------------------------------------------------------------
-def torch_reference(steps: int, init: Path, out: Path) -> list[float]:
-    """Single-process training from the same initial weights; writes the final weights to ``out``."""
+def torch_reference(model: torch.nn.Module, steps: int, init: Path, out: Path) -> list[float]:
+    """Single-process training of ``model`` (any module: token ids -> logits) from the initial weights
+    ``init``; writes the final weights to ``out``."""
     import torch
 
     from torch_backend import load_neutral_checkpoint, save_neutral_checkpoint
-    from torch_backend.models import Llama, cross_entropy
+    from torch_backend.models import cross_entropy
 
-    model = Llama()
     load_neutral_checkpoint(init, model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []
@@ -65,20 +70,28 @@ def torch_reference(steps: int, init: Path, out: Path) -> list[float]:
     return losses
 
 
-def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: str) -> None:
+def sharded_llama(mesh: DeviceMesh) -> torch.nn.Module:
+    """llama-tiny with ``fully_shard`` on the embedding, each layer, [norm, output] and the root."""
+    from torch_backend.models import Llama, parallelize
+
+    return parallelize(Llama(), mesh)
+
+
+def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: str,
+                  build: Callable[[DeviceMesh], torch.nn.Module]) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from torch_backend import load_neutral_checkpoint, save_neutral_checkpoint
-    from torch_backend.models import Llama, cross_entropy, parallelize
+    from torch_backend.models import cross_entropy
 
     torch.set_num_threads(1)
     # A file rendezvous: no free-port race with other jobs on the machine.
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
                             world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
-    model = parallelize(Llama(), mesh)
+    model = build(mesh)
     load_neutral_checkpoint(init, model)  # full tensors in, each rank keeps its ragged shards
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     rows = BATCH // world_size
@@ -100,10 +113,14 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
     dist.destroy_process_group()
 
 
-def torch_fsdp(world_size: int, steps: int, init: Path, workdir: Path) -> list[float]:
+def torch_fsdp(world_size: int, steps: int, init: Path, workdir: Path,
+               build: Callable[[DeviceMesh], torch.nn.Module] = sharded_llama) -> list[float]:
+    """Train on ``world_size`` spawned gloo processes; ``build(mesh)`` returns the model with
+    ``fully_shard`` applied. Spawned workers import ``build`` by name: it must live in a module (a file on
+    ``sys.path``), not in a notebook cell. Writes ``workdir/torch_final``; returns the losses."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_torch_worker, args=(world_size, steps, str(init), str(workdir)),
+    mp.start_processes(_torch_worker, args=(world_size, steps, str(init), str(workdir), build),
                        nprocs=world_size, start_method="spawn")
     return json.loads((workdir / "torch_losses.json").read_text())
 
@@ -179,7 +196,7 @@ def run(world_size: int, steps: int) -> DemoResult:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            reference = torch_reference(steps, init, workdir / "reference_final")
+            reference = torch_reference(Llama(), steps, init, workdir / "reference_final")
         finally:
             torch.set_num_threads(threads)
         torch_losses = torch_fsdp(world_size, steps, init, workdir)

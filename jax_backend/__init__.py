@@ -8,10 +8,7 @@ from jax_backend._buffers import (
     LayoutMismatchError,
     check_mesh,
     check_params,
-    flatten_params,
-    fqn,
     pack_unit,
-    plan_units,
     shard_params,
     unpack_unit,
     unshard_params,
@@ -19,6 +16,7 @@ from jax_backend._buffers import (
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend._compat import make_mesh, shard_map
 from jax_backend._model import UnitError, fully_shard, shard_model
+from jax_backend._names import flatten_params, fqn
 from jax_backend._optax import (
     ShardedState,
     UnsupportedOptimizerError,
@@ -30,12 +28,12 @@ from jax_backend._optax import (
     unshard_state,
 )
 from jax_backend._redistribute import gather_tensor, scatter_tensor
-from jax_backend._step import FSDP, MixedPrecision, Stage, Units, gather_unit
+from jax_backend._step import FSDP, MixedPrecisionPolicy, Stage, Units, gather_unit
 
 __all__ = [
     "FSDP",
     "LayoutMismatchError",
-    "MixedPrecision",
+    "MixedPrecisionPolicy",
     "ShardedState",
     "Stage",
     "UnitError",
@@ -56,7 +54,6 @@ __all__ = [
     "make_mesh",
     "on_shards",
     "pack_unit",
-    "plan_units",
     "save_checkpoint",
     "scatter_tensor",
     "shard_map",

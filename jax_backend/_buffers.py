@@ -4,13 +4,14 @@ A unit's buffer holds ``world_size * S`` elements with ``NamedSharding(mesh, P(a
 the axis owns ``[d * S, (d + 1) * S)``, exactly the core's shard. Every parameter is the static slice
 ``[offset, offset + numel)`` of its unit's buffer, reshaped; offsets are read from the ``Layout`` and never
 recomputed, so converting parameters to buffers and back is exact (only copies, no arithmetic).
-Parameters are addressed by FQN (``layers.0.attention.wq.weight``), the names the Layout was planned with.
+Parameters are addressed by FQN (``layers.0.attention.wq.weight``, ``_names.fqn``), the names the Layout was
+planned with.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,68 +20,13 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ragged
-from ragged import Granularity, Layout
+from ragged import Layout
 
 Shape = tuple[int, ...]
-GranularityFn = Callable[[str, Shape], "Granularity | int | str"]
 
 
 class LayoutMismatchError(ragged.RaggedError):
     """Parameters, a mesh or a world size that do not match the planned Layouts."""
-
-
-def fqn(path: Sequence[Any]) -> str:
-    """The dotted name of a pytree path: ``('layers', 0, 'wq', 'weight', .value)`` -> ``layers.0.wq.weight``.
-
-    flax NNX Variables flatten to an extra ``.value`` attribute key, which is not part of the name.
-    """
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.GetAttrKey) and key.name != "value":
-            parts.append(key.name)
-    return ".".join(parts)
-
-
-def flatten_params(tree: Any) -> dict[str, jax.Array]:
-    """A params pytree (nested dicts, an NNX ``State``) as ``{fqn: array}`` in flattening order."""
-    return {fqn(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def plan_units(units: Iterable[Any], world_size: int, *,
-               granularity: GranularityFn | Granularity | int | str = "rows:1",
-               align: int | None = None, itemsize: int = 4) -> tuple[Layout, ...]:
-    """Plan every FSDP unit with the core planner, exactly as the torch backend does.
-
-    Each unit's tensors become ``TensorSpec(fqn, shape, granularity)`` in the order given (use the core
-    preset's order, ``ragged.model_shapes(name).units``) and go to ``ragged.plan(..., name=unit)``, so the
-    same model, world size and granularity give the same S, offsets and local ranges on both backends.
-
-    Args:
-        units: ``ragged.UnitShapes`` or ``(unit_name, [(fqn, shape), ...])`` pairs, in model order.
-        world_size: devices on the shard axis.
-        granularity: a function ``(fqn, shape) -> granularity`` (e.g. 32-row blocks for some tensors), or
-            one granularity for every matrix via ``ragged.granularity_for`` (1-D tensors stay element-wise).
-        align: collective alignment in elements (default: 16 bytes of the buffer dtype).
-        itemsize: bytes per element of the master buffers (4 for fp32).
-
-    Returns:
-        One ``Layout`` per unit, in order, each named after its unit.
-    """
-    if callable(granularity):
-        rule = granularity
-    else:
-        default = Granularity.parse(granularity)
-        rule = lambda name, shape: ragged.granularity_for(shape, default)
-    layouts = []
-    for unit in units:
-        name, tensors = (unit.name, unit.tensors) if isinstance(unit, ragged.UnitShapes) else unit
-        specs = [ragged.TensorSpec(t, tuple(shape), rule(t, tuple(shape))) for t, shape in tensors]
-        layouts.append(ragged.plan(specs, world_size, align=align, itemsize=itemsize, name=name))
-    return tuple(layouts)
 
 
 def check_mesh(mesh: Mesh, layouts: Sequence[Layout], axis: str, replica_axis: str | None = None) -> None:
@@ -99,7 +45,7 @@ def check_mesh(mesh: Mesh, layouts: Sequence[Layout], axis: str, replica_axis: s
         if layout.world_size != size:
             raise LayoutMismatchError(
                 f"unit {layout.name!r} was planned for world_size {layout.world_size}, but mesh axis "
-                f"{axis!r} has {size} devices; plan the units for {size} devices (jax_backend.plan_units) "
+                f"{axis!r} has {size} devices; plan the units for {size} devices (ragged.plan_model) "
                 f"or use a mesh whose {axis!r} axis has {layout.world_size} devices"
             )
 

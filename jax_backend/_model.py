@@ -27,16 +27,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+import ragged
 from jax_backend._buffers import (
-    GranularityFn,
     LayoutMismatchError,
     check_mesh,
-    flatten_params,
-    fqn,
-    plan_units,
 )
-from jax_backend._step import FSDP, MixedPrecision, Units
-from ragged import Granularity, Layout
+from jax_backend._names import flatten_params, fqn
+from jax_backend._step import FSDP, MixedPrecisionPolicy, Units
+from ragged import Granularity, GranularityRule, Layout
 
 
 class UnitError(LayoutMismatchError):
@@ -360,8 +358,8 @@ class _FunctionModel:
 # ----- the entry point ----------------------------------------------------------------------------------
 def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, params: Any = None,
                 axis: str = "fsdp", replica_axis: str | None = None,
-                granularity: GranularityFn | Granularity | int | str = "rows:1",
-                mp: MixedPrecision | None = None, remat: bool = False, root: str = "root",
+                granularity: GranularityRule | Granularity | int | str = "rows:1",
+                mp_policy: MixedPrecisionPolicy | None = None, remat: bool = False, root: str = "root",
                 layouts: Sequence[Layout] | None = None) -> FSDP:
     """FSDP for your own model: plan its units and return the ``FSDP`` runtime that runs its forward.
 
@@ -382,7 +380,7 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
             unit, named ``root``.
         params: the pure function's params pytree (arrays or ``jax.ShapeDtypeStruct``).
         granularity: ``(fqn, shape) -> granularity`` or one granularity for every matrix.
-        mp: mixed precision; ``None`` computes and reduces in the master dtype.
+        mp_policy: mixed precision; ``None`` computes and reduces in the master dtype.
         remat: NNX only: re-gather each unit in its backward and recompute its activations there, so one
             unit is unsharded at a time (the unit's call may then read only its own module and arguments).
         layouts: pre-planned Layouts (e.g. a core preset's order); their units must own the same
@@ -407,13 +405,14 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
     check_mesh(mesh, (), axis, replica_axis)  # the axes must exist before the planner reads their size
     planned = wrapped.plan()
     if layouts is None:
-        layouts = plan_units(planned, mesh.shape[axis], granularity=granularity,
-                             itemsize=max(jnp.dtype(d).itemsize for _, d in wrapped.shapes.values()))
+        layouts = ragged.plan_model(planned, mesh.shape[axis], granularity,
+                                   itemsize=max(jnp.dtype(d).itemsize for _, d in wrapped.shapes.values()))
     want = {u: sorted(n for n, _ in tensors) for u, tensors in planned}
     got = {lay.name: sorted(t.name for t in lay.tensors) for lay in layouts}
     if want != got:
         bad = sorted(u for u in set(want) | set(got) if want.get(u) != got.get(u))
         raise LayoutMismatchError(f"layouts do not match the units at {bad[:3]}: unit {bad[0]!r} owns "
                                   f"{want.get(bad[0])} in the model, {got.get(bad[0])} in the layouts")
-    return FSDP(mesh, tuple(layouts), axis=axis, replica_axis=replica_axis, mp=mp or MixedPrecision(),
+    return FSDP(mesh, tuple(layouts), axis=axis, replica_axis=replica_axis,
+                mp_policy=mp_policy or MixedPrecisionPolicy(),
                 remat=remat, model=wrapped)

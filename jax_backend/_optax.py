@@ -35,13 +35,14 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-from jax_backend._buffers import LayoutMismatchError, fqn, unshard_params
+from jax_backend._buffers import LayoutMismatchError, unshard_params
+from jax_backend._names import fqn
 from jax_backend._pieces import CALLS, ELEMENTWISE, Evaluator, Fill, Piece, UnsupportedOptimizerError, windows
 from ragged import Layout
 
 
 class OnShards(optax.GradientTransformation):
-    """A transformation written for the FSDP step's ``{unit: (S,)}`` shards; ``check_optimizer`` skips it."""
+    """A transformation written for the step's ``{unit: (S,)}`` shards: ``shard_optimizer`` runs it as is."""
 
 
 def on_shards(tx: optax.GradientTransformation) -> OnShards:

@@ -35,13 +35,13 @@ from jax_backend._buffers import (
     LayoutMismatchError,
     buffer_sharding,
     check_mesh,
-    flatten_params,
     pack_unit,
     shard_params,
     unpack_unit,
     unshard_params,
 )
 from jax_backend._compat import shard_map
+from jax_backend._names import flatten_params
 from jax_backend._optax import shard_optimizer, state_specs, unshard_state
 from ragged import Layout
 
@@ -54,7 +54,7 @@ class Stage(NamedTuple):
 
 
 @dataclass(frozen=True)
-class MixedPrecision:
+class MixedPrecisionPolicy:
     """Dtypes of the gathered parameters (compute) and of the gradient reduction; None keeps the master's.
 
     The master shards and the optimizer state stay in the buffers' dtype (fp32).
@@ -141,7 +141,7 @@ class Units:
         self.layouts = {lay.name: lay for lay in fsdp.layouts}
 
     def _comm(self, unit: str) -> _Comm:
-        master, mp = self.local[unit].dtype, self.fsdp.mp
+        master, mp = self.local[unit].dtype, self.fsdp.mp_policy
         return _Comm(self.fsdp.axis, self.fsdp.replica_axis, mp.param_dtype or master,
                      mp.reduce_dtype or master, master)
 
@@ -177,7 +177,7 @@ class FSDP:
         stages: the forward, one ``Stage`` per unit, in the Layouts' order (when ``model`` is None).
         axis: the mesh axis the buffers are sharded over.
         replica_axis: for HSDP, the mesh axis the shards are replicated over (gradients all-reduced).
-        mp: mixed precision (compute and reduce dtypes).
+        mp_policy: mixed precision (compute and reduce dtypes).
         remat: re-gather each unit in the backward instead of keeping it from the forward.
         model: the user's model as ``shard_model`` wraps it: ``model.forward(units, inputs)`` runs it on
             gathered units, ``model.tree`` is its parameter pytree (``jax.ShapeDtypeStruct`` leaves) and
@@ -193,7 +193,7 @@ class FSDP:
     stages: tuple[Stage, ...] = ()
     axis: str = "fsdp"
     replica_axis: str | None = None
-    mp: MixedPrecision = field(default_factory=MixedPrecision)
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     remat: bool = False
     model: Any = None
 

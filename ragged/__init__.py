@@ -5,14 +5,14 @@ plans, model shape presets and the baselines they are compared with.
 """
 
 from ragged._advise import Advice, HsdpOption, advise
-from ragged._baselines import BaselineLayout, baseline_layouts
+from ragged._baselines import BASELINES, BaselineLayout, baseline_layouts
 from ragged._checkpoint import Checkpoint, CheckpointError, StoredTensor, load_checkpoint, save_checkpoint
 from ragged._drawing import LayoutDrawing, Picture, Segment, draw_layout, draw_plan, draw_side_by_side
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
 from ragged._granularity import Granularity, block_numel, granularity_for
 from ragged._layout import Layout, Piece, TensorSlot, TensorSpec
 from ragged._memory import MemoryPlan, flops_per_token, gib, memory_plan, trained_llama, trained_model_names
-from ragged._model_plan import plan_model
+from ragged._model_plan import GranularityRule, plan_model
 from ragged._muon_roots import (
     NS_COEFFS,
     NS_STEPS,
@@ -43,7 +43,7 @@ from ragged._redistribute import (
     transfers,
 )
 from ragged._shapes_file import UnitSpecs, model_units, parse_shapes, read_shapes_file
-from ragged._sweep import SweepRow, padding_sweep, run_sweep
+from ragged._sweep import SWEEP_GRANULARITIES, SWEEP_MODELS, SWEEP_WORLD_SIZES, SweepRow, padding_sweep
 from ragged._tiles import (
     TILE,
     PieceTable,
@@ -65,6 +65,7 @@ __all__ = [
     "advise",
     "assign_roots",
     "baseline_layouts",
+    "BASELINES",
     "BaselineLayout",
     "block_ids",
     "bucket_holdings",
@@ -79,6 +80,7 @@ __all__ = [
     "Granularity",
     "granularity_for",
     "GranularityError",
+    "GranularityRule",
     "HsdpOption",
     "Layout",
     "LayoutDrawing",
@@ -115,12 +117,14 @@ __all__ = [
     "read_shapes_file",
     "replicate_holdings",
     "root_buckets",
-    "run_sweep",
     "save_checkpoint",
     "Segment",
     "shard_holdings",
     "StoredTensor",
     "SweepRow",
+    "SWEEP_GRANULARITIES",
+    "SWEEP_MODELS",
+    "SWEEP_WORLD_SIZES",
     "TensorSlot",
     "TensorSpec",
     "tile_granularity",

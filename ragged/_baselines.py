@@ -6,7 +6,7 @@ boundaries cut (a cut block must be reassembled by communication before a block-
 a quantizer or Newton-Schulz can touch it; ``plan`` never cuts one).
 
 - ``fsdp1``: PyTorch FSDP1's FlatParameter. Tensors are concatenated in model order (each offset
-  aligned to the collective unit, as ``use_orig_params=True`` does) and the flat buffer is cut
+  aligned to the collective alignment, as ``use_orig_params=True`` does) and the flat buffer is cut
   element-wise into ``m`` equal shards of ``ceil(total / m)``.
 - ``fsdp2``: PyTorch FSDP2's per-parameter ``Shard(0)``. Each tensor's dim 0 is padded to a multiple
   of ``m``; every device holds ``ceil(dim0 / m)`` rows of every tensor.
@@ -29,18 +29,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragged._errors import PlanningError
-from ragged._layout import TensorSpec, _ceil_to
+from ragged._layout import PaddedBuffer, TensorSpec, ceil_to
 
 BASELINES = ("fsdp1", "fsdp2", "zero3", "megatron")
 
 
 @dataclass(frozen=True)
-class BaselineLayout:
+class BaselineLayout(PaddedBuffer):
     """One baseline's sharding of one unit, reduced to what the comparison needs.
 
     ``shard_size`` is the number of elements every device holds, padding included (every baseline
     uses equal shards, so one all-gather of ``m * shard_size`` elements unshards the unit). Like
-    ``Layout.shard_size`` it is a multiple of the collective unit ``align``.
+    ``Layout.shard_size`` it is a multiple of the collective alignment ``align``.
     """
 
     method: str
@@ -48,19 +48,6 @@ class BaselineLayout:
     shard_size: int
     used_numel: int
     split_blocks: int
-
-    @property
-    def total_numel(self) -> int:
-        return self.world_size * self.shard_size
-
-    @property
-    def padding(self) -> int:
-        return self.total_numel - self.used_numel
-
-    @property
-    def padding_ratio(self) -> float:
-        """Padded elements over buffer elements (as ``Layout.padding_ratio``)."""
-        return self.padding / self.total_numel if self.total_numel else 0.0
 
     @property
     def keeps_blocks_whole(self) -> bool:
@@ -100,10 +87,10 @@ def fsdp1(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineL
     """FSDP1: aligned flat concatenation, cut element-wise into ``world_size`` equal shards."""
     offsets, cur = [], 0
     for s in specs:
-        cur = _ceil_to(cur, align)
+        cur = ceil_to(cur, align)
         offsets.append(cur)
         cur += s.numel
-    shard = _ceil_to(max(1, -(-cur // world_size)), align)
+    shard = ceil_to(max(1, -(-cur // world_size)), align)
     return BaselineLayout("fsdp1", world_size, shard, _used(specs), _flat_split(specs, offsets, shard,
                                                                                 world_size))
 
@@ -119,7 +106,7 @@ def fsdp2(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineL
         chunk = -(-rows // world_size) * row_numel  # torch.chunk's rows per device, padded
         shard += chunk
         split += count_split_blocks(0, s.numel, s.block, chunk, world_size - 1)
-    return BaselineLayout("fsdp2", world_size, _ceil_to(max(shard, 1), align), _used(specs), split)
+    return BaselineLayout("fsdp2", world_size, ceil_to(max(shard, 1), align), _used(specs), split)
 
 
 def zero3(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineLayout:
@@ -129,7 +116,7 @@ def zero3(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineL
         chunk = -(-s.numel // world_size)
         shard += chunk
         split += count_split_blocks(0, s.numel, s.block, chunk, world_size - 1)
-    return BaselineLayout("zero3", world_size, _ceil_to(max(shard, 1), align), _used(specs), split)
+    return BaselineLayout("zero3", world_size, ceil_to(max(shard, 1), align), _used(specs), split)
 
 
 def megatron(specs: Sequence[TensorSpec], world_size: int, align: int) -> BaselineLayout:
@@ -150,7 +137,7 @@ def megatron_offsets(specs: Sequence[TensorSpec], align: int) -> tuple[list[int]
         if s.numel >= chunk:
             offsets[i] = cur
             end = cur + s.numel
-            cur = _ceil_to(end, chunk)
+            cur = ceil_to(end, chunk)
             if end < cur:
                 gaps.append([end, cur])
     for i, s in enumerate(specs):
@@ -167,7 +154,7 @@ def megatron_offsets(specs: Sequence[TensorSpec], align: int) -> tuple[list[int]
 def _first_fit(gaps: list[list[int]], numel: int, align: int) -> int:
     """Take ``numel`` aligned elements from the first gap that has room; -1 when none has."""
     for gap in gaps:
-        start = _ceil_to(gap[0], align)
+        start = ceil_to(gap[0], align)
         if start + numel <= gap[1]:
             gap[0] = start + numel
             return start
@@ -176,8 +163,8 @@ def _first_fit(gaps: list[list[int]], numel: int, align: int) -> int:
 
 def _next_whole(cur: int, numel: int, block: int, chunk: int, align: int) -> int:
     """The aligned offset at or after ``cur`` whose grid crossings all fall on block edges."""
-    start = _ceil_to(cur, align)
-    grid = _ceil_to(start + 1, chunk)  # the first grid point strictly after the start
+    start = ceil_to(cur, align)
+    grid = ceil_to(start + 1, chunk)  # the first grid point strictly after the start
     if grid < start + numel and (grid - start) % block:
         return grid  # a numel < chunk tensor starting on the grid crosses no other grid point
     return start
@@ -199,7 +186,7 @@ def baseline_layouts(specs: Sequence[TensorSpec], world_size: int, *, align: int
     Args:
         specs: the unit's tensors (``TensorSpec``s, in model order), as given to ``plan``.
         world_size: the number of devices ``m``.
-        align: the collective unit in elements, as ``plan``'s ``align``: every shard is a multiple of
+        align: the collectives' alignment in elements, as ``plan``'s ``align``: every shard is a multiple of
             it (so each device's part of the all-gather output is aligned, as in ours), FSDP1
             offsets and Megatron chunks honour it too.
 

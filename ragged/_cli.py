@@ -20,15 +20,14 @@ from ragged._errors import RaggedError
 from ragged._granularity import Granularity
 from ragged._layout import Layout
 from ragged._presets import model_names
-from ragged._shapes_file import UnitSpecs, model_units, read_shapes_file
+from ragged._shapes_file import model_units, read_shapes_file
 from ragged._sweep import (
-    GRANULARITIES,
-    MODELS,
-    WORLD_SIZES,
+    SWEEP_GRANULARITIES,
+    SWEEP_MODELS,
+    SWEEP_WORLD_SIZES,
     UnitComparison,
-    compare_unit,
-    run_sweep,
-    unit_signature,
+    compare_units,
+    padding_sweep,
 )
 
 
@@ -64,11 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     q.set_defaults(run=_run_plan)
 
     s = sub.add_parser("sweep", help="the Figure 11 padding sweep against the baselines")
-    s.add_argument("--models", default=",".join(MODELS), help="comma-separated presets")
-    s.add_argument("--world-sizes", default=",".join(map(str, WORLD_SIZES)), help="comma-separated ints")
-    s.add_argument("--granularities", default=",".join(GRANULARITIES), help="comma-separated")
+    s.add_argument("--models", default=",".join(SWEEP_MODELS), help="comma-separated presets")
+    s.add_argument("--world-sizes", default=",".join(map(str, SWEEP_WORLD_SIZES)), help="comma-separated")
+    s.add_argument("--granularities", default=",".join(SWEEP_GRANULARITIES), help="comma-separated")
     s.add_argument("--itemsize", type=int, default=4)
-    s.add_argument("--out", default="experiments/results", help="output folder")
+    s.add_argument("--json", metavar="OUT", help="write every row as JSON to OUT ('-' for stdout)")
     s.set_defaults(run=_run_sweep)
 
     a = sub.add_parser("advise", help="recommend an HSDP group size and unit grouping")
@@ -91,7 +90,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     _positive("--itemsize", args.itemsize)
     matrix = Granularity.parse(args.granularity)
     units = model_units(args.model, matrix) if args.model else read_shapes_file(args.shapes, matrix)
-    compared = plan_units(units, args.world_size, itemsize=args.itemsize)
+    compared = compare_units(units, args.world_size, itemsize=args.itemsize)
     if args.json:
         _write_json(args.json, plan_json(compared, args.world_size))
     if args.json != "-":
@@ -111,21 +110,6 @@ def _plan_picture(layouts: Sequence[Layout]) -> Picture:
     """Each distinct unit (repeats drawn once) as planned, then under FSDP2 and GSPMD."""
     per_method = [draw_plan(layouts, method).drawings for method in METHODS]
     return Picture(tuple(d for same_unit in zip(*per_method) for d in same_unit))
-
-
-def plan_units(units: Sequence[UnitSpecs], world_size: int, *, itemsize: int = 4) -> list[UnitComparison]:
-    """Plan and compare every unit; a repeat of an earlier unit reuses its plan, renamed (time 0)."""
-    done: dict[tuple, UnitComparison] = {}
-    out = []
-    for u in units:
-        first = done.get(unit_signature(u))
-        if first is None:
-            first = done[unit_signature(u)] = compare_unit(u, world_size, itemsize=itemsize)
-            out.append(first)
-        else:
-            layout = first.layout.renamed(tuple(t.name for t in u.tensors), u.name)
-            out.append(UnitComparison(u.name, layout, 0.0, first.baselines, repeat_of=first.name))
-    return out
 
 
 def plan_json(compared: Sequence[UnitComparison], world_size: int) -> dict[str, Any]:
@@ -174,7 +158,11 @@ def _run_sweep(args: argparse.Namespace) -> int:
     sizes = [_int_item(x, "--world-sizes") for x in _list(args.world_sizes, "--world-sizes")]
     grans = [str(Granularity.parse(g)) for g in _list(args.granularities, "--granularities")]
     _positive("--itemsize", args.itemsize)
-    rows, paths = run_sweep(models, sizes, grans, args.out, itemsize=args.itemsize)
+    rows = padding_sweep(models, sizes, grans, itemsize=args.itemsize)
+    if args.json:
+        _write_json(args.json, {"rows": [asdict(r) for r in rows]})
+    if args.json == "-":
+        return 0
     table = _table("padding sweep (ours vs the best baseline that keeps blocks whole)",
                    ["model", "granularity", "m", "ours", "best whole", "units worse", "plan ms"])
     for r in rows:
@@ -183,8 +171,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
                           "-" if r.best_whole_ratio is None else _pct(r.best_whole_ratio),
                           str(r.units_worse), f"{1e3 * r.plan_seconds:.1f}")
     _console().print(table)
-    for p in paths:
-        print(f"wrote {p}")
+    print("The full report (CSV, plots, the targets): python -m experiments.planner_sweep")
     return 0
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ragged._baselines import count_split_blocks
-from ragged._layout import Layout, TensorSlot, _ceil_to
+from ragged._layout import Layout, TensorSlot, ceil_to
 from ragged._tiles import quant_block
 
 METHODS = ("ragged", "fsdp2", "gspmd")
@@ -168,7 +168,7 @@ def draw_layout(layout: Layout, method: str = "ragged") -> LayoutDrawing:
             # runs of ``run`` elements go to successive devices; a copy cuts nothing
             cut[t.name] = count_split_blocks(0, t.numel, t.block, run, -(-t.numel // run) - 1)
             shard += size
-        shard = _ceil_to(max(shard, 1), layout.align)
+        shard = ceil_to(max(shard, 1), layout.align)
     return _assemble(layout, method, shard, cut, rows)
 
 

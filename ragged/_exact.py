@@ -79,7 +79,7 @@ def exact_plan(items: Sequence[Item], world_size: int, align: int, *, limit: int
     Args:
         items: at most ``MAX_TENSORS`` non-empty tensors (empty ones are free and take offset 0).
         world_size: the number of shards.
-        align: the collective unit in elements.
+        align: the collectives' alignment in elements.
         limit: only shard sizes ``<= limit`` are tried (default: the always-feasible upper bound).
         max_sizes: give up (return None) after this many grid sizes.
 

@@ -20,7 +20,8 @@ from ragged._placement import RaggedShard
 Shape = tuple[int, ...]
 
 
-def _ceil_to(x: int, k: int) -> int:
+def ceil_to(x: int, k: int) -> int:
+    """The least multiple of ``k`` that is ``>= x``."""
     return -(-x // k) * k
 
 
@@ -77,8 +78,31 @@ class Piece(NamedTuple):
     local_offset: int
 
 
+class PaddedBuffer:
+    """Sizes of a unit's buffer of ``world_size`` equal shards, for anything with ``world_size``,
+    ``shard_size`` and ``used_numel`` (our ``Layout`` and the baselines' ``BaselineLayout``)."""
+
+    world_size: int
+    shard_size: int
+    used_numel: int
+
+    @property
+    def total_numel(self) -> int:
+        """Elements in the global buffer: ``world_size * shard_size``."""
+        return self.world_size * self.shard_size
+
+    @property
+    def padding(self) -> int:
+        return self.total_numel - self.used_numel
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded elements over buffer elements."""
+        return self.padding / self.total_numel if self.total_numel else 0.0
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(PaddedBuffer):
     """The planned global buffer of one FSDP unit. Tensors keep the order they were given in."""
 
     world_size: int
@@ -93,22 +117,8 @@ class Layout:
 
     # ----- sizes -------------------------------------------------------------------------------
     @property
-    def total_numel(self) -> int:
-        """Elements in the global buffer: ``world_size * shard_size``."""
-        return self.world_size * self.shard_size
-
-    @property
     def used_numel(self) -> int:
         return sum(t.numel for t in self.tensors)
-
-    @property
-    def padding(self) -> int:
-        return self.total_numel - self.used_numel
-
-    @property
-    def padding_ratio(self) -> float:
-        """Padded elements over buffer elements."""
-        return self.padding / self.total_numel if self.total_numel else 0.0
 
     @property
     def lower_bound(self) -> int:
@@ -277,16 +287,16 @@ class ShardGrid(NamedTuple):
 
     def next_valid(self, start: int) -> int:
         """The smallest valid shard size ``>= start``: a multiple of ``align`` and of every forced block."""
-        s = _ceil_to(max(start, 1), self.bases[0])
+        s = ceil_to(max(start, 1), self.bases[0])
         while True:
             j = _count_at_least(self.numels, 2 * s)  # the forced prefix at s
-            cand = _ceil_to(s, self.bases[j])
+            cand = ceil_to(s, self.bases[j])
             if j == 0:
                 return cand
             leave = self.numels[j - 1] // 2 + 1  # from here on the smallest forced tensor is free
             if cand < leave:  # within [s, leave) the forced set is exactly this prefix
                 return cand
-            s = _ceil_to(leave, self.bases[0])
+            s = ceil_to(leave, self.bases[0])
 
 
     def take(self, start: int, limit: int, count: int) -> list[int]:
@@ -318,7 +328,7 @@ def basic_lower_bound(items: list[tuple[int, int]], world_size: int, align: int)
     """
     used = sum(e for e, _ in items)
     biggest = max((g for e, g in items if e), default=1)
-    return max(_ceil_to(-(-used // world_size), align), _ceil_to(biggest, align), align)
+    return max(ceil_to(-(-used // world_size), align), ceil_to(biggest, align), align)
 
 
 def shard_size_lower_bound(items: list[tuple[int, int]], world_size: int, align: int) -> int:

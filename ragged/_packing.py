@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ragged._layout import _ceil_to
+from ragged._layout import ceil_to
 
 Item = tuple[int, int]  # (numel, block)
 Classes = tuple[tuple[Item, tuple[int, ...]], ...]  # ((numel, block), member indices in given order)
@@ -32,7 +32,7 @@ def earliest_start(cur: int, numel: int, block: int, shard: int, align: int) -> 
     ``lcm(block, align)``); crossing a second boundary needs ``shard % block == 0``. A window
     entered at its start is a translate of every later one, so two windows decide it.
     """
-    start = _ceil_to(cur, align)
+    start = ceil_to(cur, align)
     if numel == 0:
         return start
     step = math.lcm(block, align)
@@ -143,7 +143,7 @@ def place_by_class(items: Sequence[Item], classes: Classes, shard: int, world_si
     live = list(ranked)
     cur = 0
     while live:
-        start = _ceil_to(cur, align)
+        start = ceil_to(cur, align)
         best, best_p, best_cost = -1, 0, 0
         for c in live:
             numel, block = classes[c][0]
@@ -191,4 +191,4 @@ def orderings(items: Sequence[Item]) -> list[list[int]]:
 
 def upper_shard_size(items: Sequence[Item], align: int) -> int:
     """A shard size that always works: every tensor, aligned, inside the first shard."""
-    return sum(_ceil_to(e, align) for e, _ in items) or align
+    return sum(ceil_to(e, align) for e, _ in items) or align

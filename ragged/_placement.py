@@ -1,10 +1,12 @@
 """RaggedShard: veScale-FSDP's placement over a tensor's flattened row-major storage.
 
-A tensor of shape ``shape`` is viewed as ``prod(shape[:k])`` blocks of ``prod(shape[k:])``
-elements, where ``dims = (0, ..., k-1)``. The blocks are grouped into ``sum(local_units)`` equal
-units and device ``i`` holds ``local_units[i]`` consecutive units. Element-wise (``k = ndim``),
-row-wise (``k = ndim - 1``), N-row blocks, uneven splits, empty shards (a zero unit) and
-"one device holds it all" (``dims = ()``, one-hot units) are special cases.
+A tensor of shape ``shape`` is viewed as ``prod(shape[:k])`` sub-tensors ``t[i_0, ..., i_{k-1}]`` of
+``prod(shape[k:])`` elements each, where ``dims = (0, ..., k-1)``. The storage is cut into
+``sum(local_units)`` equal *blocks* of whole sub-tensors, and device ``i`` holds ``local_units[i]``
+consecutive blocks (veScale calls them units; ``local_units`` keeps veScale's signature, and every other
+name here says block: docs/glossary.md). Element-wise (``k = ndim``), row-wise (``k = ndim - 1``),
+N-row blocks, uneven splits, empty shards (zero blocks) and "one device holds it all" (``dims = ()``,
+one-hot ``local_units``) are special cases.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ class RaggedShard:
     """Placement of one tensor over ``len(local_units)`` devices.
 
     Args:
-        dims: a prefix ``(0, ..., k-1)`` of the tensor's dims; the block is ``prod(shape[k:])``
-            elements. ``()`` means one device holds the whole tensor.
-        local_units: the number of units each device holds (zero allowed, uneven allowed).
+        dims: a prefix ``(0, ..., k-1)`` of the tensor's dims; a block is a whole number of
+            sub-tensors ``t[i_0, ..., i_{k-1}]``. ``()`` means one block: the whole tensor.
+        local_units: the number of blocks each device holds (zero allowed, uneven allowed).
 
     Example:
         >>> p = RaggedShard(dims=(0,), local_units=(1, 0, 2))
@@ -62,12 +64,12 @@ class RaggedShard:
         """The number of devices: one ``local_units`` entry each."""
         return len(self.local_units)
 
-    def block_numel(self, shape: Shape) -> int:
-        """Elements in one block: ``prod(shape[len(dims):])``."""
+    def subtensor_numel(self, shape: Shape) -> int:
+        """Elements in one sub-tensor ``t[i_0, ..., i_{k-1}]`` of the dims prefix: ``prod(shape[k:])``."""
         return math.prod(shape[len(self.dims):])
 
-    def unit_numel(self, shape: Shape, name: str = "tensor") -> int:
-        """Elements in one unit (``numel // sum(local_units)``), after validating ``shape``."""
+    def block_numel(self, shape: Shape, name: str = "tensor") -> int:
+        """Elements in one block (``numel // sum(local_units)``), after validating ``shape``."""
         self.validate(shape, name)
         return math.prod(shape) // sum(self.local_units)
 
@@ -90,22 +92,22 @@ class RaggedShard:
         if numel % total:
             raise PlacementError(
                 f"{name}: numel {numel} of shape {shape} is not divisible by sum(local_units)={total} "
-                f"(local_units={self.local_units}): units must be equal whole parts of the tensor"
+                f"(local_units={self.local_units}): blocks must be equal whole parts of the tensor"
             )
-        block = self.block_numel(shape)
-        if block and (numel // total) % block:
+        sub = self.subtensor_numel(shape)
+        if sub and (numel // total) % sub:
             raise PlacementError(
-                f"{name}: unit of {numel // total} elements (numel {numel} / sum(local_units) {total}) "
-                f"would cut a block of {block} elements (dims={self.dims}, shape {shape}); "
+                f"{name}: a block of {numel // total} elements (numel {numel} / sum(local_units) {total}) "
+                f"would cut a sub-tensor of {sub} elements (dims={self.dims}, shape {shape}); "
                 f"sum(local_units) must divide prod(shape[:{len(self.dims)}])="
                 f"{math.prod(shape[:len(self.dims)])}"
             )
 
     def ranges(self, shape: Shape, name: str = "tensor") -> tuple[tuple[int, int], ...]:
         """Each device's half-open element range ``[start, end)`` of the flattened tensor."""
-        unit = self.unit_numel(shape, name)
+        block = self.block_numel(shape, name)
         cum = (0, *accumulate(self.local_units))
-        return tuple((cum[i] * unit, cum[i + 1] * unit) for i in range(self.world_size))
+        return tuple((cum[i] * block, cum[i + 1] * block) for i in range(self.world_size))
 
     def local_numel(self, shape: Shape, rank: int, name: str = "tensor") -> int:
         """Elements device ``rank`` holds."""

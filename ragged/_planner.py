@@ -28,7 +28,7 @@ from ragged._baselines import megatron, megatron_offsets
 from ragged._errors import PlanningError
 from ragged._exact import exact_plan
 from ragged._granularity import Granularity
-from ragged._layout import Layout, ShardGrid, TensorSlot, TensorSpec, _ceil_to, basic_lower_bound
+from ragged._layout import Layout, ShardGrid, TensorSlot, TensorSpec, basic_lower_bound, ceil_to
 from ragged._packing import (
     Classes,
     Item,
@@ -135,7 +135,7 @@ def refine_down(fit: Fit, grid: ShardGrid, lowest: int, best: Found, items: Sequ
     """Smaller sizes than ``best``: the candidate bases, then every grid size in between when there
     are fewer than ``_SCAN``, else a binary search over them (feasibility is not monotone in S)."""
     for base in candidate_bases(items, lowest, align):
-        probe = grid.next_valid(_ceil_to(lowest, base))
+        probe = grid.next_valid(ceil_to(lowest, base))
         offsets = fit(probe)[0] if probe < best[0] else None
         if offsets is not None:
             best = (probe, offsets)
@@ -227,7 +227,7 @@ def plan(tensors: Iterable[TensorSpec | tuple | dict], world_size: int, *, align
     Args:
         tensors: ``TensorSpec``s, ``(name, shape[, granularity])`` tuples or dicts with those keys.
         world_size: the number of devices ``m`` (shards).
-        align: the collective unit in elements; offsets and S are multiples of it. Defaults to
+        align: the collectives' alignment in elements; offsets and S are multiples of it. Defaults to
             16 bytes of the buffer dtype (``16 // itemsize``).
         itemsize: bytes per element of the buffer dtype (used for the default ``align``).
         granularity: the default for tensors given without one.

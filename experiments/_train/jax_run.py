@@ -59,7 +59,7 @@ def build(args, name: str, config: ragged.LlamaConfig, mesh, replicas: int):
     """The llama's ``parallelize`` on an abstract model (``nnx.eval_shape``: shapes only, no allocation)."""
     from flax import nnx
 
-    from jax_backend import MixedPrecision
+    from jax_backend import MixedPrecisionPolicy
     from jax_backend.models import Llama, parallelize
 
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(args.seed)))
@@ -68,9 +68,11 @@ def build(args, name: str, config: ragged.LlamaConfig, mesh, replicas: int):
             else "rows:1"
     else:
         granularity = args.granularity
-    mp = MixedPrecision(jnp.bfloat16, jnp.float32) if args.dtype == "bf16" else MixedPrecision()
+    bf16 = args.dtype == "bf16"
+    mp_policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32) if bf16 else MixedPrecisionPolicy()
     return parallelize(abstract, mesh, replica_axis="replica" if replicas > 1 else None,
-                       granularity=granularity, mp=mp, remat=args.activation_checkpointing, preset=name)
+                       granularity=granularity, mp_policy=mp_policy, remat=args.activation_checkpointing,
+                       preset=name)
 
 
 def optimizer(args, fsdp):
@@ -121,8 +123,8 @@ def collective_bytes(fsdp) -> int:
     the Layouts rather than measured."""
     total = 0
     for layout in fsdp.layouts:
-        param = jnp.dtype(fsdp.mp.param_dtype or jnp.float32).itemsize
-        reduce = jnp.dtype(fsdp.mp.reduce_dtype or fsdp.mp.param_dtype or jnp.float32).itemsize
+        param = jnp.dtype(fsdp.mp_policy.param_dtype or jnp.float32).itemsize
+        reduce = jnp.dtype(fsdp.mp_policy.reduce_dtype or fsdp.mp_policy.param_dtype or jnp.float32).itemsize
         total += layout.total_numel * (param * (2 if fsdp.remat else 1) + reduce)
         if fsdp.replica_axis is not None:
             total += layout.shard_size * reduce

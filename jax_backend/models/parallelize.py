@@ -17,17 +17,14 @@ from jax.sharding import Mesh
 
 import ragged
 from jax_backend._buffers import (
-    GranularityFn,
     LayoutMismatchError,
     check_mesh,
-    flatten_params,
-    fqn,
-    plan_units,
 )
 from jax_backend._model import shard_model
-from jax_backend._step import FSDP, MixedPrecision, Stage
+from jax_backend._names import flatten_params, fqn
+from jax_backend._step import FSDP, MixedPrecisionPolicy, Stage
 from jax_backend.models.llama import Llama
-from ragged import Granularity
+from ragged import Granularity, GranularityRule
 
 
 def model_params(model: nnx.Module) -> dict[str, jax.Array]:
@@ -57,8 +54,8 @@ def llama_stages(model: Llama) -> tuple[Stage, ...]:
 
 
 def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: str | None = None,
-                granularity: GranularityFn | Granularity | int | str = "rows:1",
-                mp: MixedPrecision | None = None, remat: bool = False,
+                granularity: GranularityRule | Granularity | int | str = "rows:1",
+                mp_policy: MixedPrecisionPolicy | None = None, remat: bool = False,
                 preset: str = "llama-tiny") -> FSDP:
     """Plan ``model``'s FSDP units for ``mesh.shape[axis]`` devices and return the ``FSDP`` runtime.
 
@@ -72,7 +69,7 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
         model: the flax llama (its parameters must be the preset's names and shapes).
         mesh: the device mesh; ``axis`` shards, ``replica_axis`` (HSDP) replicates.
         granularity: ``(fqn, shape) -> granularity`` or one granularity for every matrix.
-        mp: mixed precision; ``None`` computes and reduces in the master dtype.
+        mp_policy: mixed precision; ``None`` computes and reduces in the master dtype.
         remat: re-gather each unit in the backward (keeps one unit unsharded at a time).
         preset: the name of the core's units (``ragged.llama_shapes(preset, model.config)``), whose
             tensor order is planned.
@@ -92,6 +89,6 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
     if extra:
         raise LayoutMismatchError(f"the model has parameters {extra[:5]} that preset {preset!r} does not")
     check_mesh(mesh, (), axis, replica_axis)  # the axes must exist before the planner reads their size
-    layouts = plan_units(units, mesh.shape[axis], granularity=granularity)
+    layouts = ragged.plan_model(units, mesh.shape[axis], granularity)
     return shard_model(model, mesh, units=["tok_embeddings", "layers.*"], root="output", layouts=layouts,
-                       axis=axis, replica_axis=replica_axis, mp=mp, remat=remat)
+                       axis=axis, replica_axis=replica_axis, mp_policy=mp_policy, remat=remat)

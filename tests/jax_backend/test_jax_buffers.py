@@ -12,12 +12,12 @@ from jax_backend import (
     LayoutMismatchError,
     check_params,
     make_mesh,
-    plan_units,
     shard_params,
     unpack_unit,
     unshard_params,
 )
 from jax_backend.models import model_params, parallelize
+from ragged import plan_model
 
 UNITS = ragged.model_shapes("llama-tiny").units
 
@@ -52,7 +52,7 @@ def test_layouts_are_the_torch_backends(model, world, granularity):
     """The torch backend plans each ``fully_shard`` unit of its llama the same way: identical Layouts."""
     import torch
 
-    from torch_backend._fully_shard import plan_module
+    from torch_backend.fsdp._fully_shard import plan_module
     from torch_backend.models import Llama as TorchLlama
 
     with torch.device("meta"):
@@ -76,7 +76,7 @@ def numpy_buffer(params: dict, layout: ragged.Layout) -> np.ndarray:
 @pytest.mark.parametrize("world", [1, 3, 8])
 def test_round_trip_is_exact_and_shards_are_the_layouts(model, world):
     mesh = make_mesh((world,), ("fsdp",))
-    layouts = plan_units(UNITS, world, granularity=rows32)
+    layouts = plan_model(UNITS, world, granularity=rows32)
     params = model_params(model)
     buffers = shard_params(params, layouts, mesh, "fsdp")
     for layout in layouts:
@@ -95,7 +95,7 @@ def test_round_trip_is_exact_and_shards_are_the_layouts(model, world):
 
 
 def test_thirty_two_row_blocks_stay_on_one_device():
-    layouts = plan_units(UNITS, 8, granularity=rows32)
+    layouts = plan_model(UNITS, 8, granularity=rows32)
     for layout in layouts:
         for rank in range(8):
             for piece in layout.local_pieces(rank):
@@ -106,12 +106,12 @@ def test_thirty_two_row_blocks_stay_on_one_device():
 
 
 def test_bad_buffers_and_params_raise():
-    layouts = plan_units(UNITS[:1], 2)
+    layouts = plan_model(UNITS[:1], 2)
     with pytest.raises(LayoutMismatchError, match=r"unit 'tok_embeddings': buffer has shape \(7,\)"):
         unpack_unit(jnp.zeros(7), layouts[0])
     with pytest.raises(LayoutMismatchError, match=r"unexpected \['extra.weight'\]"):
         check_params({"tok_embeddings.weight": jnp.zeros((256, 64)), "extra.weight": jnp.zeros(3)}, layouts)
-    out = plan_units(UNITS[-1:], 2)
+    out = plan_model(UNITS[-1:], 2)
     with pytest.raises(LayoutMismatchError, match=r"unit 'output' mixes dtypes \['bfloat16', 'float32'\]"):
         check_params({"norm.weight": jnp.zeros(64, jnp.bfloat16), "output.weight": jnp.zeros((256, 64))}, out)
     with pytest.raises(LayoutMismatchError, match=r"buffers miss the units \['tok_embeddings'\]"):

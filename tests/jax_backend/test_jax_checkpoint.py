@@ -9,9 +9,10 @@ import torch
 from flax import nnx
 
 import ragged
-from jax_backend import LayoutMismatchError, fqn, make_mesh, plan_units, shard_params, unshard_params
+from jax_backend import LayoutMismatchError, fqn, make_mesh, shard_params, unshard_params
 from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
 from jax_backend.models import Llama, parallelize
+from ragged import plan_model
 from torch_backend import load_neutral_checkpoint, save_neutral_checkpoint
 from torch_backend.models import Llama as TorchLlama
 
@@ -34,13 +35,13 @@ def bits(t: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_jax_torch_round_trip_is_bit_exact_with_resharding(tmp_path, dtype):
     sd = torch_state_dict(dtype)
-    save_neutral_checkpoint(tmp_path / "from_torch", sd, layouts=plan_units(UNITS, 4))
+    save_neutral_checkpoint(tmp_path / "from_torch", sd, layouts=plan_model(UNITS, 4))
     # Load into JAX at 3 devices (the torch run planned for 4), save, and reload at 8.
-    layouts3, mesh3 = plan_units(UNITS, 3), make_mesh((3,), ("fsdp",))
+    layouts3, mesh3 = plan_model(UNITS, 3), make_mesh((3,), ("fsdp",))
     buffers = load_checkpoint(tmp_path / "from_torch", layouts3, mesh3, "fsdp")
     assert {b.dtype.name for b in buffers.values()} == {str(dtype).removeprefix("torch.")}
     save_checkpoint(tmp_path / "from_jax", buffers, layouts3)
-    layouts8, mesh8 = plan_units(UNITS, 8), make_mesh((8,), ("fsdp",))
+    layouts8, mesh8 = plan_model(UNITS, 8), make_mesh((8,), ("fsdp",))
     resharded = unshard_params(load_checkpoint(tmp_path / "from_jax", layouts8, mesh8, "fsdp"), layouts8)
     back = load_neutral_checkpoint(tmp_path / "from_jax")
     assert list(back) == list(sd)
@@ -102,9 +103,9 @@ def test_checkpoint_that_does_not_match_the_layouts_is_named(tmp_path):
     sd["output.weight"] = sd["output.weight"][:100]
     save_neutral_checkpoint(tmp_path / "ck", sd)
     with pytest.raises(LayoutMismatchError, match=r"output.weight: params has shape \(100, 64\)"):
-        load_checkpoint(tmp_path / "ck", plan_units(UNITS, 2), make_mesh((2,), ("fsdp",)), "fsdp")
+        load_checkpoint(tmp_path / "ck", plan_model(UNITS, 2), make_mesh((2,), ("fsdp",)), "fsdp")
     assert load_params(tmp_path / "ck")["output.weight"].shape == (100, 64)
     buffers = shard_params({k: v.numpy() for k, v in torch_state_dict(torch.float32).items()},
-                           plan_units(UNITS, 2), make_mesh((2,), ("fsdp",)), "fsdp")
+                           plan_model(UNITS, 2), make_mesh((2,), ("fsdp",)), "fsdp")
     with pytest.raises(ragged.CheckpointError, match="exists"):
-        save_checkpoint(tmp_path / "ck", buffers, plan_units(UNITS, 2))
+        save_checkpoint(tmp_path / "ck", buffers, plan_model(UNITS, 2))

@@ -9,8 +9,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ragged
-from jax_backend import make_mesh, plan_units, shard_map
+from jax_backend import make_mesh, shard_map
 from jax_backend._redistribute import gather_tensor, scatter_tensor
+from ragged import plan_model
 
 UNIT = ragged.model_shapes("llama-tiny").units[1]  # layers.0: nine tensors of five shapes
 
@@ -21,7 +22,7 @@ def rows32(name: str, shape: tuple[int, ...]) -> str:
 
 @pytest.mark.parametrize("world, granularity", [(1, "rows:1"), (3, "rows:1"), (4, rows32), (8, "rows:1")])
 def test_gather_and_scatter_match_numpy(world, granularity):
-    (layout,) = plan_units([UNIT], world, granularity=granularity)
+    (layout,) = plan_model([UNIT], world, granularity=granularity)
     mesh = make_mesh((world,), ("fsdp",))
     rng = np.random.default_rng(world)
     buffer = rng.standard_normal(layout.total_numel).astype(np.float32)  # padding holds junk on purpose
@@ -58,7 +59,7 @@ def test_gather_and_scatter_match_numpy(world, granularity):
 
 
 def test_bad_calls_name_the_tensor():
-    (layout,) = plan_units([UNIT], 2)
+    (layout,) = plan_model([UNIT], 2)
     with pytest.raises(ValueError, match=r"layers.0.attention.wq.weight: local shard has shape \(7,\)"):
         gather_tensor(jnp.zeros(7), layout, "layers.0.attention.wq.weight", "fsdp")
     with pytest.raises(ValueError, match="root 2 is outside the 2 devices"):

@@ -9,8 +9,9 @@ import optax
 import pytest
 from jax_reference import assert_params_close, rel_err, train_fsdp, train_reference
 
-from jax_backend import FSDP, LayoutMismatchError, MixedPrecision, make_mesh, plan_units, unpack_unit
+from jax_backend import FSDP, LayoutMismatchError, MixedPrecisionPolicy, make_mesh, unpack_unit
 from jax_backend.models import cross_entropy, llama_stages, model_params, parallelize
+from ragged import model_shapes, plan_model
 
 
 # remat alternates so that both ways of keeping units unsharded are trained at several sizes; at 3 and 4
@@ -39,7 +40,8 @@ def test_hsdp_2x2_matches_single_device(model, batches, reference):
 
 def test_bf16_compute_matches_bf16_reference(model, batches):
     """bf16 gathers and compute, fp32 reduce and masters: within bf16 tolerance of the unsharded recipe."""
-    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), mp=MixedPrecision(jnp.bfloat16, jnp.float32))
+    policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
+    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), mp_policy=policy)
     losses, params = train_fsdp(fsdp, model, batches[:4])
     ref_losses, ref_params = train_reference(model, batches[:4], compute_dtype=jnp.bfloat16)
     assert rel_err(losses, ref_losses) <= 1e-2, (losses, ref_losses)
@@ -76,7 +78,7 @@ def test_one_gather_and_one_reduce_scatter_per_unit_and_remat_frees_units(model,
 def test_unpack_unit_vjp_places_each_gradient_at_its_offset():
     """The packing VJP against numpy: each tensor's cotangent at its Layout offset, zeros in the gaps and
     the padding (the gradient of disjoint static slices)."""
-    layout = plan_units(__import__("ragged").model_shapes("llama-tiny").units, 3)[1]
+    layout = plan_model(model_shapes("llama-tiny").units, 3)[1]
     assert layout.padding > 0
     rng = np.random.default_rng(0)
     buffer = jnp.asarray(rng.standard_normal(layout.total_numel), jnp.float32)
@@ -95,7 +97,7 @@ def test_bad_inputs_raise_clear_errors(model):
         parallelize(model, mesh, axis="data")
     with pytest.raises(LayoutMismatchError, match=r"replica_axis='dp' is not an axis"):
         parallelize(model, mesh, replica_axis="dp")
-    layouts3 = plan_units(__import__("ragged").model_shapes("llama-tiny").units, 3)
+    layouts3 = plan_model(model_shapes("llama-tiny").units, 3)
     with pytest.raises(LayoutMismatchError, match=r"planned for world_size 3, but mesh axis 'fsdp' has 2"):
         FSDP(mesh, layouts3, llama_stages(model))
     fsdp = parallelize(model, mesh)

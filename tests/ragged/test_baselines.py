@@ -11,7 +11,7 @@ from ragged import PlanningError, TensorSpec, baseline_layouts
 from ragged._baselines import count_split_blocks, megatron_offsets
 
 
-def _ceil_to(x, k):
+def ceil_to(x, k):
     return -(-x // k) * k
 
 
@@ -77,16 +77,16 @@ def test_baselines_match_brute_force(specs, m, align):
 
     offsets, cur = [], 0
     for s in specs:  # FSDP1: aligned back-to-back offsets
-        cur = _ceil_to(cur, align)
+        cur = ceil_to(cur, align)
         offsets.append(cur)
         cur += s.numel
-    assert fsdp1.shard_size == _ceil_to(max(1, -(-cur // m)), align)
+    assert fsdp1.shard_size == ceil_to(max(1, -(-cur // m)), align)
     assert fsdp1.split_blocks == _brute_flat(specs, offsets, fsdp1.shard_size)
 
     shard, split = _brute_fsdp2(specs, m)
-    assert (fsdp2.shard_size, fsdp2.split_blocks) == (_ceil_to(max(shard, 1), align), split)
+    assert (fsdp2.shard_size, fsdp2.split_blocks) == (ceil_to(max(shard, 1), align), split)
     shard, split = _brute_zero3(specs, m)
-    assert (zero3.shard_size, zero3.split_blocks) == (_ceil_to(max(shard, 1), align), split)
+    assert (zero3.shard_size, zero3.split_blocks) == (ceil_to(max(shard, 1), align), split)
 
     # Megatron-style: a valid buffer (no overlap, aligned, inside m shards) that cuts no block.
     offs, chunk, end = megatron_offsets(specs, align)

@@ -6,10 +6,11 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 
-from ragged import Layout, model_shapes
+from ragged import Layout, model_shapes, padding_sweep
 from ragged._cli import main
 
 
@@ -171,3 +172,12 @@ def test_console_script_installed():
     bad = subprocess.run([script, "plan", "--model", "nope", "--world-size", "2"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("ragged: error: unknown model 'nope'")
+
+
+def test_sweep_json_rows_equal_padding_sweep(capsys):
+    assert main(["sweep", "--models", "llama-tiny", "--world-sizes", "2,8", "--granularities", "rows:16",
+                 "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    want = padding_sweep(["llama-tiny"], [2, 8], ["rows:16"])
+    strip = lambda r: {k: v for k, v in r.items() if k != "plan_seconds"}  # noqa: E731 (timing differs)
+    assert [strip(r) for r in rows] == [strip(asdict(r)) for r in want]

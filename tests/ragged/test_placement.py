@@ -11,10 +11,10 @@ from ragged import PlacementError, RaggedShard
 
 
 def _reference_ranges(shape, dims, units):
-    """Device i holds flat[cum[i] * unit : cum[i + 1] * unit], unit = numel / sum(units)."""
-    unit = math.prod(shape) // sum(units)
+    """Device i holds flat[cum[i] * block : cum[i + 1] * block], block = numel / sum(units)."""
+    block = math.prod(shape) // sum(units)
     cum = np.concatenate([[0], np.cumsum(units)])
-    return [(int(cum[i] * unit), int(cum[i + 1] * unit)) for i in range(len(units))]
+    return [(int(cum[i] * block), int(cum[i + 1] * block)) for i in range(len(units))]
 
 
 @st.composite
@@ -27,7 +27,7 @@ def placements(draw):
         units = [0] * world
         units[draw(st.integers(0, world - 1))] = 1
     inner = [draw(st.integers(1, 3)) for _ in range(ndim - k)]
-    # the sharded prefix has a multiple of sum(units) blocks
+    # the sharded prefix has a multiple of sum(units) sub-tensors
     outer = []
     if k:
         outer = [sum(units) * draw(st.integers(0, 2))] + [draw(st.integers(1, 3)) for _ in range(k - 1)]
@@ -43,9 +43,9 @@ def test_ranges_partition_the_tensor_and_match_the_reference(case):
     assert list(got) == _reference_ranges(shape, dims, units)
     assert got[0][0] == 0 and got[-1][1] == math.prod(shape)
     assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
-    block = math.prod(shape[len(dims):])
+    sub = math.prod(shape[len(dims):])
     for rank, (start, stop) in enumerate(got):
-        assert start % block == 0 and stop % block == 0  # blocks stay whole
+        assert start % sub == 0 and stop % sub == 0  # sub-tensors stay whole
         assert p.local_shape(shape, rank) == (stop - start,) == (p.local_numel(shape, rank),)
 
 
@@ -77,7 +77,7 @@ def test_validate_names_the_tensor_and_the_rule():
     with pytest.raises(PlacementError, match=r"w: numel 12 of shape \(3, 4\) is not divisible by "
                                              r"sum\(local_units\)=5"):
         RaggedShard((0,), (2, 3)).ranges((3, 4), "w")
-    with pytest.raises(PlacementError, match=r"w: unit of 6 elements .* would cut a block of 4"):
+    with pytest.raises(PlacementError, match=r"w: a block of 6 elements .* would cut a sub-tensor of 4"):
         RaggedShard((0,), (1, 1)).ranges((3, 4), "w")
     with pytest.raises(PlacementError, match=r"w: RaggedShard dims=\(0, 1, 2\) has more dims than"):
         RaggedShard((0, 1, 2), (1,)).ranges((3, 4), "w")

@@ -5,9 +5,18 @@ import math
 import pytest
 from checker import check_layout, expected_block
 
-from ragged import GranularityError, Layout, PlanningError, TensorSpec, baseline_layouts, model_shapes, plan
-from ragged._granularity import granularity_for
-from ragged._model_plan import plan_model
+from ragged import (
+    GranularityError,
+    Layout,
+    PlanningError,
+    TensorSpec,
+    UnitSpecs,
+    baseline_layouts,
+    granularity_for,
+    model_shapes,
+    plan,
+    plan_model,
+)
 from ragged._packing import earliest_start, place_by_class, place_in_order
 from ragged._planner import first_fit_shard_size, search_shard_size
 
@@ -140,6 +149,35 @@ def test_plan_model_reuses_layouts_and_matches_plan():
                       name=unit.name)
         assert layout == direct
         assert Layout.from_json(layout.to_json()) == layout
+
+
+def test_plan_model_takes_every_unit_form_and_a_granularity_function():
+    """UnitShapes, UnitSpecs, (name, pairs) and (name, TensorSpecs) plan alike; a function sees each FQN."""
+    units = model_shapes("llama-tiny").units
+    seen = []
+
+    def rule(fqn, shape):
+        seen.append(fqn)
+        return "rows:16" if fqn.endswith("w2.weight") else granularity_for(shape, "rows:1")
+
+    layouts = plan_model(units, 4, rule)
+    assert seen == [fqn for u in units for fqn, _ in u.tensors]
+    specs = [(u.name, [TensorSpec(n, s, rule(n, s)) for n, s in u.tensors]) for u in units]
+    assert plan_model(specs, 4) == layouts
+    assert plan_model([UnitSpecs(n, tuple(t)) for n, t in specs], 4) == layouts
+    assert plan_model([(u.name, list(u.tensors)) for u in units], 4, rule) == layouts
+    for (name, tensors), layout in zip(specs, layouts):
+        assert layout == plan(tensors, 4, name=name)
+
+
+def test_plan_model_does_not_share_a_plan_across_different_blocks():
+    a = ("a", [("a.w", (64, 8))])
+    b = ("b", [("b.w", (64, 8))])
+    la, lb = plan_model([a, b], 3, lambda n, s: "rows:16" if n == "b.w" else "rows:1")
+    assert la.slot("a.w").block == 8 and lb.slot("b.w").block == 128
+    assert lb == plan([TensorSpec("b.w", (64, 8), "rows:16")], 3, name="b")
+    with pytest.raises(PlanningError, match=r"a unit must be UnitShapes, UnitSpecs or \(name, tensors\)"):
+        plan_model([42], 2)
 
 
 def test_renamed_checks_names():

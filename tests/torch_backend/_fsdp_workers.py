@@ -70,7 +70,7 @@ def _sharded_model(mesh, seed: int = SEED, **kwargs) -> torch.nn.Module:
 def _train(model, opt, steps: range, dp_rank: int, dp_size: int, micro: int = 1,
            on_step: Callable[[int], None] | None = None) -> list[float]:
     """Train on this data-parallel rank's rows; returns the global mean loss of each step."""
-    from torch_backend._fully_shard import clip_grad_norm_
+    from torch_backend.fsdp._fully_shard import clip_grad_norm_
     from torch_backend.models import cross_entropy
 
     losses = []
@@ -142,7 +142,7 @@ def parity_checks(rank: int, world: int, ckpt_dir: str) -> dict:
 def _counter(mesh) -> dict:
     """Per-unit collectives and copy bytes of one steady-state step, for both reshard settings."""
     from torch_backend._debug import debug_counter
-    from torch_backend._fully_shard import units
+    from torch_backend.fsdp._fully_shard import units
 
     out = {}
     for reshard in (False, True):
@@ -246,7 +246,7 @@ def _meta_init(mesh) -> dict:
 def _layouts(mesh) -> dict:
     """Each unit's runtime Layout equals the pure ``plan_module`` of its modules under the model."""
     from torch_backend import plan_module
-    from torch_backend._fully_shard import units
+    from torch_backend.fsdp._fully_shard import units
     from torch_backend.models import Llama
 
     model = _sharded_model(mesh)

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ragged
 from torch_backend import MixedPrecisionPolicy, fully_shard, plan_module
-from torch_backend._dbuffer import DBuffer
-from torch_backend._unit import UnitState
+from torch_backend.fsdp._dbuffer import DBuffer
+from torch_backend.fsdp._unit import UnitState
 from torch_backend.models import Llama, cross_entropy, parallelize
 
 UNIT_GROUPS = {
@@ -34,10 +34,9 @@ def _meta_llama() -> Llama:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
 def test_plan_module_equals_the_jax_backend_layouts(world):
-    from jax_backend import plan_units
 
     model = _meta_llama()
-    want = plan_units(ragged.model_shapes("llama-tiny").units, world)
+    want = ragged.plan_model(ragged.model_shapes("llama-tiny").units, world)
     got = tuple(plan_module(group(model), world, root=model) for group in UNIT_GROUPS.values())
     assert got == want
 

@@ -412,7 +412,8 @@ w = torch.arange(6.0).reshape(2, 3)
 x = distribute_tensor(w, mesh, [p])
 assert x.placements == (p,) and torch.equal(x.full_tensor(), w)
 assert zeros(2, 3, device_mesh=mesh, placements=[p]).placements == (p,)
-assert redistribute_local_tensor.__kwdefaults__["_ragged_hook"].__module__ == "torch_backend._dtensor_hooks"
+hook = redistribute_local_tensor.__kwdefaults__["_ragged_hook"]
+assert hook.__module__ == "torch_backend.placement._dtensor_hooks"
 print("ok")
 """
 

@@ -31,10 +31,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import ragged
-from torch_backend._placement import RaggedShard
-from torch_backend._redistribute import start_all_to_all
 from torch_backend.optim._adam8bit import adam_direction
 from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
+from torch_backend.placement._placement import RaggedShard
+from torch_backend.placement._redistribute import start_all_to_all
 
 Finish = Callable[[], torch.Tensor]  # waits for an issued exchange and returns what arrived
 

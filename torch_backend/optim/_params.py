@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 import ragged
-from torch_backend._placement import RaggedShard
+from torch_backend.placement._placement import RaggedShard
 
 
 def local_slice(p: torch.Tensor, name: str) -> tuple[torch.Tensor, list[tuple[int, int]]]:

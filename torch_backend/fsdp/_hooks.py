@@ -19,7 +19,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torch_backend._unit import Unit
+from torch_backend.fsdp._unit import Unit
 
 
 class FSDPState:

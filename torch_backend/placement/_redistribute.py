@@ -24,7 +24,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 import ragged
 from torch_backend._collectives import all_to_all, side_stream
-from torch_backend._placement import RaggedShard
+from torch_backend.placement._placement import RaggedShard
 
 Shape = tuple[int, ...]
 

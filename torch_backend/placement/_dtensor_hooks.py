@@ -57,9 +57,9 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from torch_backend import _dcp, _ops
-from torch_backend import _redistribute as rd
-from torch_backend._placement import RaggedShard
+from torch_backend.placement import _dcp, _ops
+from torch_backend.placement import _redistribute as rd
+from torch_backend.placement._placement import RaggedShard
 
 _SUPPORTED = ((2, 11), (2, 13))
 aten = torch.ops.aten
@@ -637,7 +637,7 @@ def install_state_dict_hook() -> None:
 
     ``set_model_state_dict(..., broadcast_from_rank0=True)`` broadcasts each full tensor, then copies
     the box torch computes for the placements into the local tensor; a RaggedShard local is a flat
-    range of that box, so it gets that range instead. Installed by ``torch_backend._state_dict``.
+    range of that box, so it gets that range instead. Installed by ``torch_backend.fsdp._state_dict``.
     """
     import torch.distributed._state_dict_utils as sd_utils
 

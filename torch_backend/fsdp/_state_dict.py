@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torch_backend._dtensor_hooks import install_state_dict_hook
-from torch_backend._fully_shard import _states
+from torch_backend.fsdp._fully_shard import _states
+from torch_backend.placement._dtensor_hooks import install_state_dict_hook
 
 install_state_dict_hook()  # set_model_state_dict(..., broadcast_from_rank0=True) on RaggedShard
 

@@ -19,12 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ragged import Layout, TensorSlot
-from torch_backend._api import MixedPrecisionPolicy
 from torch_backend._collectives import Pending, all_gather, all_reduce, reduce_scatter, side_stream
-from torch_backend._dbuffer import DBuffer
 from torch_backend._debug import record_copy
-from torch_backend._dtensor_hooks import make_dtensor
-from torch_backend._placement import RaggedShard
+from torch_backend.fsdp._api import MixedPrecisionPolicy
+from torch_backend.fsdp._dbuffer import DBuffer
+from torch_backend.placement._dtensor_hooks import make_dtensor
+from torch_backend.placement._placement import RaggedShard
 
 
 class UnitState(enum.Enum):

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 import ragged
-from torch_backend._placement import RaggedShard
+from torch_backend.placement._placement import RaggedShard
 
 aten = torch.ops.aten
 

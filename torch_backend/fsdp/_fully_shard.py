@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 
 import ragged
 from ragged import Granularity, Layout, TensorSpec
-from torch_backend._api import MixedPrecisionPolicy
 from torch_backend._collectives import all_reduce
-from torch_backend._hooks import FSDPState
-from torch_backend._unit import ParamRef, Unit
+from torch_backend.fsdp._api import MixedPrecisionPolicy
+from torch_backend.fsdp._hooks import FSDPState
+from torch_backend.fsdp._unit import ParamRef, Unit
 
 GranularityArg = Callable[[str, torch.Tensor], Any] | Granularity | int | str | None
 
