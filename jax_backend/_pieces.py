@@ -18,7 +18,8 @@ Element-wise primitives run on the windows. A primitive that keeps the flat orde
 broadcast that only adds unit dims) keeps the piece. A full reduction of a parameter's value
 (``reduce_sum`` / ``max`` / ``min`` / ``and`` / ``or`` over every axis, a ``dot_general`` contracting
 every axis) is the masked local reduction, then ``psum`` / ``pmax`` / ``pmin`` over the shard axis: an
-ordinary value again, so norms, trust ratios and global norms combine freely. HSDP replicas hold equal
+ordinary value again, so norms, trust ratios and global norms combine freely. A ``cond`` on parameter
+values (``MultiSteps``, ``apply_if_finite``) runs every branch and selects. HSDP replicas hold equal
 values (the step all-reduced the gradients over them), so nothing reduces over the replica axis. Anything
 else applied to a piece (a transpose, a reduction over some axes, mixing two parameters element by
 element) raises ``UnsupportedOptimizerError`` naming the primitive and the parameter.
@@ -199,6 +200,8 @@ class Evaluator:
             return self.run(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), ins)
         if name in _ANNOTATIONS and lazy:
             return list(ins)
+        if name == "cond" and lazy and not isinstance(ins[0], Piece):
+            return self._cond(eqn, ins)
         out_shape = tuple(eqn.outvars[0].aval.shape)
         if not owners:
             if name in _RESHAPES and len(ins) == 1 and (isinstance(ins[0], Fill) or jnp.size(ins[0]) == 1):
@@ -237,6 +240,25 @@ class Evaluator:
             "honored; a transpose, a reduction over some axes (adafactor's factored statistics) or a "
             "gather would see another device's elements. Use a transformation without it, or write one "
             "for the step's {unit: shard} dict and pass it as jax_backend.on_shards(tx)")
+
+    def _cond(self, eqn: Any, ins: list) -> list:
+        """``lax.cond`` / ``switch`` on parameter values: every branch runs (on every device alike, so their
+        collectives match), then ``select_n`` by the index picks each output."""
+        index, operands = (ins[0].value if isinstance(ins[0], Fill) else ins[0]), ins[1:]
+        branches = [self.run(b.jaxpr, b.consts, operands) for b in eqn.params["branches"]]
+        outs = []
+        for results, var in zip(zip(*branches), eqn.outvars):
+            owner = next((x.param for x in results if isinstance(x, Piece)), None)
+            if owner is not None:
+                windows = [self.window(owner, x, " in `cond`") for x in results]
+                outs.append(Piece(owner, lax.select_n(index, *(jnp.broadcast_to(w, windows[0].shape)
+                                                               for w in windows))))
+            elif all(isinstance(x, Fill) for x in results):
+                outs.append(Fill(lax.select_n(index, *(x.value for x in results)), tuple(var.aval.shape)))
+            else:
+                outs.append(lax.select_n(index, *(jnp.broadcast_to(x.value, x.shape) if isinstance(x, Fill)
+                                                  else x for x in results)))
+        return outs
 
     def _over_shards(self, collective: Any, local: jax.Array) -> jax.Array:
         if self.axis is None:

@@ -92,6 +92,9 @@ SUPPORTED = {
     "adam_schedule": lambda: optax.adam(optax.linear_schedule(1e-2, 1e-3, 3)),
     # no dim reaches min_dim_size_to_factor: per-parameter RMS clipping and parameter scale (on the pieces)
     "adafactor, unfactored": lambda: optax.adafactor(1e-2),
+    # lax.cond on parameter values (both branches run, select_n picks) and a global is_finite (reduce_and)
+    "MultiSteps(apply_if_finite(adamw), 2)": lambda: optax.MultiSteps(
+        optax.apply_if_finite(optax.adamw(1e-2, weight_decay=0.1), 3), 2).gradient_transformation(),
 }
 
 
