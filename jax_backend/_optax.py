@@ -134,16 +134,18 @@ class _Traced:
                 self.leaves.append(_Leaf(None, rest))
                 rest += 1
                 continue
-            prefix = jax.tree_util.keystr(path[:len(path) - len(leaves[owner][0])])
+            prefix_path = tuple(path[:len(path) - len(leaves[owner][0])])
+            prefix = jax.tree_util.keystr(prefix_path)
             if prefix not in prefixes:
-                self.prefixes.append(tuple(path[:len(path) - len(leaves[owner][0])]))
-            slot = prefixes.setdefault(prefix, len(prefixes))
+                prefixes[prefix] = len(self.prefixes)
+                self.prefixes.append(prefix_path)
+            slot = prefixes[prefix]
             if _Leaf(slot, owner) in self.leaves:
                 raise UnsupportedOptimizerError(
                     f"two state leaves at {prefix} belong to parameter {self.names[owner]}: the optimizer "
                     "state must mirror the params pytree")
             self.leaves.append(_Leaf(slot, owner))
-        self.slots = len(prefixes)
+        self.slots = len(self.prefixes)
         self.state_paths = [path for path, _ in state_leaves]
         self.state_avals = [leaf for _, leaf in state_leaves]
         self.state_def = jax.tree_util.tree_structure(state)
