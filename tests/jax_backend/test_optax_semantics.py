@@ -48,6 +48,10 @@ def NDIM_MASK(p):  # noqa: N802 - a mask, as users write it
     return jax.tree.map(lambda x: x.ndim > 1, p)
 
 
+# These programs are checked for values, not speed: XLA's cheapest CPU code generation halves their compile.
+QUICK = {"xla_backend_optimization_level": 0}
+
+
 def _fsdp(config: str) -> FSDP:
     shape, names, replica = MESHES[config]
     layout = ragged.plan([ragged.TensorSpec(n, s, "element") for n, s in SPECS], shape[-1], name="unit")
@@ -79,6 +83,19 @@ def _unpack(fsdp, buffers) -> dict:
             for lay in fsdp.layouts for t in lay.tensors}
 
 
+def _steps(tx):
+    """``(params, stacked grads) -> (params, state)``: ``tx.init`` then one update per grads (a scan)."""
+    def run(params, stacked):
+        def step(carry, g):
+            p, s = carry
+            u, s = tx.update(g, s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        return lax.scan(step, (params, tx.init(params)), stacked)[0]
+
+    return run
+
+
 SUPPORTED = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
     # (reference, on shards): the grads' global norm is about 12, so the clip scales every step; SGD, not
@@ -90,27 +107,38 @@ SUPPORTED = {
     "lion": lambda: optax.lion(1e-2, weight_decay=0.1),
     "rmsprop": lambda: optax.rmsprop(1e-2),
     "adam_schedule": lambda: optax.adam(optax.linear_schedule(1e-2, 1e-3, 3)),
-    # no dim reaches min_dim_size_to_factor: per-parameter RMS clipping and parameter scale (on the pieces)
-    "adafactor, unfactored": lambda: optax.adafactor(1e-2),
-    # lax.cond on parameter values (both branches run, select_n picks) and a global is_finite (reduce_and)
-    "MultiSteps(apply_if_finite(adamw), 2)": lambda: optax.MultiSteps(
-        optax.apply_if_finite(optax.adamw(1e-2, weight_decay=0.1), 3), 2).gradient_transformation(),
+    # On the pieces: lax.cond on parameter values (every branch runs, select_n picks), a global is_finite
+    # (reduce_and), and adafactor while no dim reaches min_dim_size_to_factor (per-parameter RMS clipping
+    # and parameter scale: full reductions).
+    "MultiSteps(apply_if_finite(adafactor), 2)": lambda: optax.MultiSteps(
+        optax.apply_if_finite(optax.adafactor(1e-2), 3), 2).gradient_transformation(),
 }
+
+
+def _pair(recipe: str) -> tuple:
+    """(the reference transformation, the one given to the step)."""
+    make = SUPPORTED[recipe]
+    return (make[0](), make[1]()) if isinstance(make, tuple) else (make(), make())
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """Per recipe: plain optax on the full ``{fqn: array}`` pytree, three updates (params and state)."""
+    params, grads = _data()
+    stacked = jax.tree.map(lambda *g: np.stack(g), *grads)
+    return {recipe: jax.jit(_steps(_pair(recipe)[0]), compiler_options=QUICK)(params, stacked)
+            for recipe in SUPPORTED}
 
 
 @pytest.mark.parametrize("config", list(MESHES))
 @pytest.mark.parametrize("recipe", list(SUPPORTED))
-def test_elementwise_recipes_on_shards_equal_unsharded_optax(recipe, config):
+def test_elementwise_recipes_on_shards_equal_unsharded_optax(recipe, config, references):
     fsdp, (params, grads) = _fsdp(config), _data()
     if config == "4":  # the layout leaves some device without any piece of some tensor
         layout = fsdp.layouts[0]
         assert any(not [p for p in layout.local_pieces(d) if p.name == "head.b"] for d in range(4))
-    make = SUPPORTED[recipe]
-    tx, sharded_tx = (make[0](), make[1]()) if isinstance(make, tuple) else (make(), make())
-    want, state = dict(params), tx.init(params)
-    for g in grads:
-        updates, state = tx.update(g, state, want)
-        want = optax.apply_updates(want, updates)
+    tx, sharded_tx = _pair(recipe)
+    want, state = references[recipe]
 
     buffers = fsdp.shard(params)
     opt_state = fsdp.init(sharded_tx, buffers)
@@ -122,7 +150,7 @@ def test_elementwise_recipes_on_shards_equal_unsharded_optax(recipe, config):
         return optax.apply_updates(local, updates), s
 
     step = jax.jit(shard_map(local_update, fsdp.mesh, in_specs=(specs[0], specs[0], specs[1]),
-                             out_specs=specs))
+                             out_specs=specs), compiler_options=QUICK)
     for g in grads:
         buffers, opt_state = step(buffers, _pack(fsdp, g), opt_state)
     got = _unpack(fsdp, buffers)
@@ -227,23 +255,6 @@ def _grads(params) -> list:
     rng = np.random.default_rng(1)
     return [jax.tree.map(lambda x, c=c: c * rng.standard_normal(x.shape).astype(np.float32), params)
             for c in SCALES]
-
-
-# These programs are checked for values, not speed: XLA's cheapest CPU code generation halves their compile.
-QUICK = {"xla_backend_optimization_level": 0}
-
-
-def _steps(tx):
-    """``(params, stacked grads) -> (params, state)``: ``tx.init`` then one update per grads (a scan)."""
-    def run(params, stacked):
-        def step(carry, g):
-            p, s = carry
-            u, s = tx.update(g, s, p)
-            return (optax.apply_updates(p, u), s), None
-
-        return lax.scan(step, (params, tx.init(params)), stacked)[0]
-
-    return run
 
 
 @pytest.fixture(scope="module")
