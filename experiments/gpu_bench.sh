@@ -65,7 +65,9 @@ train torch muon 45
 # ---- 8-bit Adam and Muon benchmarks of their own (issues 13 and 14) ----
 # Their authors enable these lines once the scripts take GPU flags and write under "$RESULTS/gpu_*"
 # (run as they are, they would overwrite their CPU results in experiments/results/).
-# [muon_bench]       stage muon_bench 30 "$PYTHON" -m experiments.muon_bench --device cuda --out "$RESULTS/gpu_muon_bench"
+# Muon: both stacks at world size 1 (torch NCCL process, then the JAX half on the same GPU):
+# gpu_muon_bench.{md,json} and gpu_muon_bench_jax.{md,json}.
+stage muon_bench 60 "$PYTHON" -m experiments.muon_bench --device cuda --world-size 1 --out "$RESULTS/gpu_muon_bench"
 # [adam8bit_quality] stage adam8bit_quality 30 "$PYTHON" -m experiments.adam8bit_quality --device cuda --out "$RESULTS/gpu_adam8bit_quality"
 
 "$PYTHON" -m experiments._train.gpu_report "$RESULTS" | tee -a "$LOG"

@@ -59,7 +59,7 @@ def main() -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torch_backend import MixedPrecisionPolicy, debug_counter, unsharded
-    from torch_backend.fsdp._fully_shard import units
+    from torch_backend.fsdp import units
     from torch_backend.models import Llama, parallelize
 
     with socket.socket() as s:

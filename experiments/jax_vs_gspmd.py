@@ -38,7 +38,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -51,33 +50,12 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from experiments._hlo import collective_bytes, memory  # noqa: E402
 from jax_backend import make_mesh, shard_model  # noqa: E402
 from jax_backend.models import Llama, cross_entropy, parallelize  # noqa: E402
 from ragged import LLAMA_TINY, LlamaConfig, llama_shapes  # noqa: E402
 
 DEVICES = 8
-_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
-_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|f64|s64|u8|s8|pred)\[([\d,]*)\]")
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u8": 1, "s8": 1, "pred": 1}
-
-
-def collective_bytes(hlo: str) -> dict[str, dict[str, int]]:
-    """Per collective kind: how many ops and the bytes of their results, per device (SPMD program)."""
-    out = {k: {"ops": 0, "bytes": 0} for k in _COLLECTIVES}
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*(.*?)\s(" + "|".join(_COLLECTIVES) + r")(-start)?\(", line)
-        if not m:
-            continue
-        kind = m.group(2)
-        out[kind]["ops"] += 1
-        for dtype, dims in _SHAPE.findall(m.group(1)):
-            out[kind]["bytes"] += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-    return out
-
-
-def memory(compiled) -> dict[str, int]:
-    m = compiled.memory_analysis()
-    return {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
 
 
 def gspmd_spec(shape: tuple[int, ...]) -> P:

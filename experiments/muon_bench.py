@@ -1,6 +1,6 @@
-"""Distributed Muon against the usual FSDP2 workaround and single-process Muon, side by side in one run.
+"""Distributed Muon against the workarounds users run today and single-process Muon, side by side in one run.
 
-Torch part (``--world-size`` gloo processes, or NCCL with ``--device cuda``): the matrices of a small
+Torch half (``--world-size`` gloo processes, or NCCL with ``--device cuda``): the matrices of a small
 llama (``CONFIG``, one unit per layer) are optimized by
 
 - ours, sequential: ``Muon(overlap=False)`` on RaggedShard DTensors (one gather + one scatter per matrix);
@@ -9,14 +9,20 @@ llama (``CONFIG``, one unit per layer) are optimized by
   ``full_tensor()``s every momentum, runs Newton-Schulz on every matrix and slices its rows back;
 - single-process Muon on the full tensors (rank 0; the reference for equality).
 
+JAX half (``--jax-devices`` devices of the same platform, in a process of its own because XLA reads its
+flags when jax is imported): ``experiments/_muon_bench_jax.py``, ours sequential / overlapped on the FSDP
+unit shards in ``shard_map``, the GSPMD workaround (each momentum replicated, Newton-Schulz on every device,
+rows sliced back) and single-device Muon; results in ``<out>_jax.{md,json}``.
+
 Each round runs one optimizer step of every variant in turn (same gradients), so machine load hits all
 alike; step times are medians over rounds and the ratio is the median of per-round ratios. Bytes are those
 each rank receives from other ranks per step (a dispatch meter on the c10d ops). Peak memory on CUDA is
 ``max_memory_allocated`` during the step; on CPU the whole matrices a rank holds at once (computed).
 ``--ns-dtype bfloat16`` runs Newton-Schulz in bf16 and reports its error against fp32.
 
-    python -m experiments.muon_bench                                   # 4 gloo processes, CPU
-    python -m experiments.muon_bench --device cuda --world-size 1      # one GPU
+    python -m experiments.muon_bench                                   # 4 gloo processes + 8 JAX host devices
+    python -m experiments.muon_bench --device cuda --world-size 1      # one GPU, both stacks
+    python -m experiments.muon_bench --stack jax                       # the JAX half only
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,17 +43,10 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ragged
+from experiments._muon_case import CONFIG, LR, MOMENTUM, layouts, matrices
 
-CONFIG = ragged.LlamaConfig(vocab_size=256, dim=192, n_layers=4, n_heads=6, n_kv_heads=2, head_dim=32,
-                            ffn_dim=512)
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("ours_sequential", "ours_overlapped", "fsdp2_full_tensor", "single_process")
-
-
-def matrices() -> list[tuple[str, tuple[int, int]]]:
-    """The 2-D tensors of CONFIG's decoder layers (the ones Muon orthogonalizes)."""
-    shapes = ragged.llama_shapes("bench", CONFIG)
-    return [(n, s) for u in shapes.units if u.name.startswith("layers.") for n, s in u.tensors if len(s) == 2]
 
 
 class ReceivedBytes(TorchDispatchMode):
@@ -104,13 +105,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     gen = torch.Generator().manual_seed(0)
     fulls = {n: torch.randn(s, generator=gen).to(device) for n, s in mats}
     grads = [{n: torch.randn(s, generator=gen).to(device) for n, s in mats} for _ in range(args.rounds + 1)]
-    units = {}
-    for n, s in mats:
-        units.setdefault(n.rsplit(".", 3)[0], []).append(ragged.TensorSpec(n, s, "rows:1"))
-    where = {n: [RaggedShard.from_core(lay.placement(n))]
-             for lay in (ragged.plan(specs, world, name=u) for u, specs in units.items()) for n, _ in mats
-             if n in {t.name for t in lay.tensors}}
-    kw = dict(lr=0.02, momentum=0.95, ns_dtype=getattr(torch, args.ns_dtype))
+    where = {t.name: [RaggedShard.from_core(lay.placement(t.name))]
+             for lay in layouts(world) for t in lay.tensors}
+    kw = dict(lr=LR, momentum=MOMENTUM, ns_dtype=getattr(torch, args.ns_dtype))
     runs = {}
     for overlap, key in ((False, "ours_sequential"), (True, "ours_overlapped")):
         live = {n: torch.nn.Parameter(dtensor.distribute_tensor(t.clone(), mesh, where[n]))
@@ -197,12 +194,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--stack", default="both", choices=("both", "torch", "jax"))
+    ap.add_argument("--jax-devices", type=int, default=None,
+                    help="devices of the JAX half (default: 8 host devices on CPU, --world-size on CUDA)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
     ap.add_argument("--in-flight", type=int, default=2)
     ap.add_argument("--ns-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--out", default=str(RESULTS / "muon_bench"))
     args = ap.parse_args()
+    if args.stack in ("both", "torch"):
+        run_torch(args)
+    if args.stack in ("both", "jax"):
+        devices = args.jax_devices or (8 if args.device == "cpu" else args.world_size)
+        platform = "gpu" if args.device == "cuda" else "cpu"
+        cmd = [sys.executable, "-m", "experiments._muon_bench_jax", "--devices", str(devices), "--platform",
+               platform, "--rounds", str(args.rounds), "--in-flight", str(args.in_flight), "--ns-dtype",
+               args.ns_dtype, "--out", args.out + "_jax"]
+        if subprocess.run(cmd, cwd=Path(__file__).parent.parent).returncode:
+            raise SystemExit(f"the JAX half failed: {' '.join(cmd)}")
+
+
+def run_torch(args: argparse.Namespace) -> None:
+    """The torch half: ``--world-size`` processes (spawned: never forked after jax)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -23,6 +23,13 @@ from ragged._muon_roots import (
     newton_schulz_load,
     root_buckets,
 )
+from ragged._muon_split import (
+    assign_groups,
+    group_load,
+    split_newton_schulz_bytes,
+    split_newton_schulz_flops,
+    split_newton_schulz_reference,
+)
 from ragged._placement import RaggedShard
 from ragged._planner import plan
 from ragged._presets import (
@@ -63,6 +70,7 @@ __all__ = [
     "TILE",
     "Advice",
     "advise",
+    "assign_groups",
     "assign_roots",
     "baseline_layouts",
     "BASELINES",
@@ -79,6 +87,7 @@ __all__ = [
     "draw_side_by_side",
     "Granularity",
     "granularity_for",
+    "group_load",
     "GranularityError",
     "GranularityRule",
     "HsdpOption",
@@ -119,6 +128,9 @@ __all__ = [
     "root_buckets",
     "save_checkpoint",
     "Segment",
+    "split_newton_schulz_bytes",
+    "split_newton_schulz_flops",
+    "split_newton_schulz_reference",
     "shard_holdings",
     "StoredTensor",
     "SweepRow",

@@ -4,19 +4,19 @@ Importing the package installs the DTensor hooks (``placement/_dtensor_hooks``) 
 with ``distribute_tensor``, ``redistribute``, ``full_tensor``, ops and torch.distributed.checkpoint.
 """
 
+from ragged import CheckpointError  # the one checkpoint error (DCP and neutral, both stacks)
 from torch_backend._collectives import CollectiveError
 from torch_backend._debug import DebugCounter, debug_counter
 from torch_backend.fsdp import (
-    CheckpointError,
     FSDPModule,
     MixedPrecisionPolicy,
     clip_grad_norm_,
     fully_shard,
-    load_checkpoint,
+    load_dcp_checkpoint,
     load_neutral_checkpoint,
     plan_module,
     register_fsdp_forward_method,
-    save_checkpoint,
+    save_dcp_checkpoint,
     save_neutral_checkpoint,
     unsharded,
 )
@@ -35,9 +35,9 @@ __all__ = [
     "clip_grad_norm_",
     "debug_counter",
     "fully_shard",
-    "load_checkpoint",
+    "load_dcp_checkpoint",
     "plan_module",
     "register_fsdp_forward_method",
-    "save_checkpoint",
+    "save_dcp_checkpoint",
     "unsharded",
 ]

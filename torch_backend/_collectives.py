@@ -14,16 +14,17 @@ dependencies, no ``record_stream``.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from torch_backend._debug import record_collective
+from torch_backend._debug import record_collective, record_wait
 
 # torch 2.13 renames the flat-buffer collectives (same arguments) and deprecates the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveError(RuntimeError):
@@ -41,10 +42,13 @@ class Pending:
     def wait(self) -> None:
         work, self._work = self._work, None
         if work is not None:
+            start = time.perf_counter()
             try:
                 work.wait()
             except Exception as e:  # gloo/NCCL raise RuntimeError or DistBackendError subclasses
                 raise CollectiveError(f"{self._what} failed: {e}") from e
+            finally:
+                record_wait(time.perf_counter() - start)
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
             self._event = None
@@ -84,14 +88,14 @@ def _issue(kind: str, unit: str, group: dist.ProcessGroup, moved: torch.Tensor,
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, unit: str) -> Pending:
     """Gather every rank's ``shard`` into ``full`` (``world * shard.numel()`` elements, rank-major)."""
     return _issue("all_gather", unit, group, full,
-                  lambda: _all_gather_flat(full, shard, group=group, async_op=True))
+                  lambda: all_gather_flat(full, shard, group=group, async_op=True))
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, *,
                    unit: str) -> Pending:
     """Sum ``full`` over ranks and write this rank's slice into ``shard``."""
     return _issue("reduce_scatter", unit, group, full,
-                  lambda: _reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
+                  lambda: reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, unit: str) -> Pending:

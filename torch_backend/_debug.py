@@ -1,4 +1,4 @@
-"""A debug counter of what the runtime moves: collectives issued, bytes they move, bytes copied.
+"""A debug counter of what the runtime moves: collectives issued, bytes they move, bytes copied, waits.
 
 ``with debug_counter() as c:`` makes ``c`` record every collective and every copy or cast the runtime
 issues while the block runs (nested counters all record). Tests read it to prove one all-gather and one
@@ -28,12 +28,15 @@ class DebugCounter:
         bytes: bytes moved by collectives, keyed by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``).
         copy_bytes: bytes the runtime copied outside collectives (same dtype).
         cast_bytes: bytes the runtime wrote while changing dtype (mixed precision only).
+        wait_seconds: host seconds blocked finishing collectives (``Pending.wait``): the communication
+            that computation did not hide (on CUDA the host does not block, so there a lower bound).
     """
 
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
     copy_bytes: int = 0
     cast_bytes: int = 0
+    wait_seconds: float = 0.0
 
     def per_unit(self, kind: str) -> dict[str, int]:
         """Collectives of ``kind`` issued, per unit name."""
@@ -55,6 +58,11 @@ def record_collective(kind: str, unit: str, tensor: torch.Tensor) -> None:
     for c in _ACTIVE:
         c.calls[(kind, unit)] += 1
         c.bytes[kind] += tensor.numel() * tensor.element_size()
+
+
+def record_wait(seconds: float) -> None:
+    for c in _ACTIVE:
+        c.wait_seconds += seconds
 
 
 def record_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

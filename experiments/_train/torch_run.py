@@ -8,14 +8,12 @@ its shards plus at most one unit in full, and the values equal a single-process 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import os
 import resource
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -73,7 +71,7 @@ def build(args, config: ragged.LlamaConfig, mesh: DeviceMesh):
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     bf16 = args.dtype == "bf16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    granularity = (lambda name, p: ragged.tile_granularity(tuple(p.shape))) if args.granularity == "auto" \
+    granularity = (lambda name, shape: ragged.tile_granularity(shape)) if args.granularity == "auto" \
         and args.optimizer == "adam8bit" else (None if args.granularity == "auto" else args.granularity)
     parallelize(model, mesh, mp_policy=mp, granularity=granularity)
     for unit in [model.tok_embeddings, *model.layers, model.norm]:  # norm: the [norm, output] unit
@@ -99,29 +97,6 @@ def optimizer(args, model) -> torch.optim.Optimizer:
     return Muon(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
 
-@contextlib.contextmanager
-def comm_wait_timer() -> Iterator[list[float]]:
-    """Host seconds spent blocked in ``Pending.wait`` (exposed communication; on CUDA the host does not
-    block on the collective itself, so there this is a lower bound)."""
-    from torch_backend import _collectives
-
-    spent = [0.0]
-    original = _collectives.Pending.wait
-
-    def timed(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            original(self)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    _collectives.Pending.wait = timed
-    try:
-        yield spent
-    finally:
-        _collectives.Pending.wait = original
-
-
 def _rank_state(path: Path) -> Path:
     return path.with_name(path.name + ".optim") / f"rank_{dist.get_rank()}.pt"
 
@@ -130,23 +105,23 @@ def save(path: Path, model, opt: torch.optim.Optimizer, optimizer_name: str) -> 
     """The model (and AdamW's state) through DCP, reshardable; 8-bit Adam's and Muon's state, which are
     local tensors per rank (not shaped like the parameters), as each rank's ``state_dict`` beside it,
     written first: ``step_<N>`` appears last, complete."""
-    from torch_backend import save_checkpoint
+    from torch_backend import save_dcp_checkpoint
 
     if optimizer_name == "adamw":
-        save_checkpoint(path, model, opt)
+        save_dcp_checkpoint(path, model, opt)
         return
     _rank_state(path).parent.mkdir(parents=True, exist_ok=True)
     torch.save(opt.state_dict(), _rank_state(path))
-    save_checkpoint(path, model)
+    save_dcp_checkpoint(path, model)
 
 
 def load(path: Path, model, opt: torch.optim.Optimizer, optimizer_name: str) -> None:
-    from torch_backend import load_checkpoint
+    from torch_backend import load_dcp_checkpoint
 
     if optimizer_name == "adamw":
-        load_checkpoint(path, model, opt)
+        load_dcp_checkpoint(path, model, opt)
         return
-    load_checkpoint(path, model)
+    load_dcp_checkpoint(path, model)
     if not _rank_state(path).exists():
         raise SystemExit(f"{path}: no {optimizer_name} state for rank {dist.get_rank()} (its state is per "
                          "rank: resume at the world size it was saved with)")
@@ -192,12 +167,11 @@ def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
                           tokens_per_step=args.batch * args.seq_len,
                           flops_per_token=ragged.flops_per_token(config, args.seq_len), devices=world,
                           peak=peak_tflops(name, args.peak_tflops), log_path=args.log, show_bar=args.progress)
-        with monitor, comm_wait_timer() as waited:
+        with monitor:
             for step in range(first, args.steps):
                 tokens = torch.from_numpy(data.rows(step, rank * rows, (rank + 1) * rows)).long().to(dev)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
-                waited[0] = 0.0
                 t0 = time.perf_counter()
                 with debug_counter() as counter:
                     loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
@@ -208,7 +182,7 @@ def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
                 dist.all_reduce(global_loss)
                 loss_value = global_loss.item() / world  # waits for the step's work, on every device
                 step_s = time.perf_counter() - t0
-                monitor.step(step, loss_value, step_s, waited[0], peak_memory(dev),
+                monitor.step(step, loss_value, step_s, counter.wait_seconds, peak_memory(dev),
                              sum(counter.bytes.values()))
                 if args.fail_after_step is not None and step == args.fail_after_step:
                     os._exit(17)  # tests: die like a killed job, without saving or cleaning up

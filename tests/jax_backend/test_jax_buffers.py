@@ -52,16 +52,15 @@ def test_layouts_are_the_torch_backends(model, world, granularity):
     """The torch backend plans each ``fully_shard`` unit of its llama the same way: identical Layouts."""
     import torch
 
-    from torch_backend.fsdp._fully_shard import plan_module
+    from torch_backend import plan_module
     from torch_backend.models import Llama as TorchLlama
 
     with torch.device("meta"):
         torch_model = TorchLlama()
     units = [torch_model.tok_embeddings, *torch_model.layers, [torch_model.norm, torch_model.output]]
-    torch_rule = None if granularity == "rows:1" else (lambda name, p: rows32(name, tuple(p.shape)))
-    jax_rule = "rows:1" if granularity == "rows:1" else rows32
-    mine = parallelize(model, make_mesh((world,), ("fsdp",)), granularity=jax_rule).layouts
-    theirs = [plan_module(unit, world, torch_rule, root=torch_model) for unit in units]
+    rule = "rows:1" if granularity == "rows:1" else rows32  # one function for both stacks
+    mine = parallelize(model, make_mesh((world,), ("fsdp",)), granularity=rule).layouts
+    theirs = [plan_module(unit, world, rule, root=torch_model) for unit in units]
     assert [lay.to_dict() for lay in mine] == [lay.to_dict() for lay in theirs]
 
 

@@ -74,3 +74,48 @@ def test_bucket_holdings_concatenate_and_give_one_plan():
     assert ragged.bucket_holdings([a, b], [6, 4]) == (((0, 3),), ((3, 6), (6, 10)))
     with pytest.raises(ragged.PlanningError, match="root 3"):
         ragged.newton_schulz_load([(2, 2)], [3], 2)
+
+
+# ----- split Newton-Schulz (a core plan; the runtimes do not run it) -----------------------------------
+@pytest.mark.parametrize("shape,group", [((48, 16), 2), ((16, 48), 4), ((32, 32), 8), ((24, 40), 1)])
+def test_split_newton_schulz_scheme_equals_one_device_and_counts_flops_and_bytes(shape, group):
+    """The scheme in numpy (column blocks, all-reduced Gram, all-gathered row blocks) gives the singular
+    value closed form; each member runs 1/group of the counted FLOPs and receives the stated bytes."""
+    from tests.numpy_references import newton_schulz_closed_form
+
+    x = np.random.default_rng(group).standard_normal(shape)
+    out, flops, received = ragged.split_newton_schulz_reference(x, group)
+    np.testing.assert_allclose(out, newton_schulz_closed_form(x), rtol=0, atol=1e-6)  # (eps 1e-7 in the norm)
+    np.testing.assert_allclose(out, ragged.split_newton_schulz_reference(x, 1)[0], rtol=0, atol=1e-12)
+    assert flops == [_counted_flops(shape) // group] * group
+    assert flops[0] == ragged.split_newton_schulz_flops(shape, group)
+    assert 4 * received == ragged.split_newton_schulz_bytes(shape, group)
+    assert (received == 0) == (group == 1)
+
+
+def test_split_newton_schulz_rejects_a_group_that_does_not_divide_the_matrix():
+    with pytest.raises(ragged.PlanningError, match="group of 3"):
+        ragged.split_newton_schulz_flops((48, 16), 3)
+
+
+@pytest.mark.parametrize("world", [8, 64, 256])
+def test_llama3_8b_layers_balance_within_ten_percent_with_split_groups(world):
+    mats = _llama3_8b_layer_matrices()
+    groups = ragged.assign_groups(mats, world)
+    assert groups == ragged.assign_groups(mats, world)  # deterministic
+    load = ragged.group_load(mats, groups, world)
+    want = np.zeros(world, np.int64)  # independent: closed form / group size, to every member
+    for s, devices in zip(mats, groups):
+        assert len(set(devices)) == len(devices)
+        m, n = min(s), max(s)
+        for d in devices:
+            want[d] += 5 * (4 * m * m * n + 2 * m ** 3) // len(devices)
+    np.testing.assert_array_equal(load, want)
+    assert load.max() / load.mean() <= 1.1
+    costs = [ragged.newton_schulz_flops(s) for s in mats]
+    if world < 256:  # no split needed: the whole-matrix roots
+        assert groups == tuple((r,) for r in ragged.assign_roots(costs, world))
+    else:  # the lower bound of whole matrices (2.11) is beaten by splitting only the FFN matrices, in 4s
+        assert max(costs) / load.mean() > 2.1
+        assert {s: len(d) for s, d in zip(mats, groups)} == {(4096, 4096): 1, (1024, 4096): 1,
+                                                             (14336, 4096): 4, (4096, 14336): 4}

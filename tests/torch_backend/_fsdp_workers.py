@@ -70,7 +70,7 @@ def _sharded_model(mesh, seed: int = SEED, **kwargs) -> torch.nn.Module:
 def _train(model, opt, steps: range, dp_rank: int, dp_size: int, micro: int = 1,
            on_step: Callable[[int], None] | None = None) -> list[float]:
     """Train on this data-parallel rank's rows; returns the global mean loss of each step."""
-    from torch_backend.fsdp._fully_shard import clip_grad_norm_
+    from torch_backend import clip_grad_norm_
     from torch_backend.models import cross_entropy
 
     losses = []
@@ -119,11 +119,11 @@ def parity_checks(rank: int, world: int, ckpt_dir: str) -> dict:
         opt = optimizer(model)
         save = None
         if world == 4:  # the checkpoint that the 2-rank launch resumes from
-            from torch_backend import save_checkpoint
+            from torch_backend import save_dcp_checkpoint
 
             def save(step: int) -> None:
                 if step + 1 == SAVE_AT:
-                    save_checkpoint(Path(ckpt_dir) / "step5", model, opt)
+                    save_dcp_checkpoint(Path(ckpt_dir) / "step5", model, opt)
         losses = _train(model, opt, range(STEPS), rank, world, on_step=save)
         return {"losses": losses, "params": _full_params(model)}
 
@@ -141,8 +141,8 @@ def parity_checks(rank: int, world: int, ckpt_dir: str) -> dict:
 
 def _counter(mesh) -> dict:
     """Per-unit collectives and copy bytes of one steady-state step, for both reshard settings."""
-    from torch_backend._debug import debug_counter
-    from torch_backend.fsdp._fully_shard import units
+    from torch_backend import debug_counter
+    from torch_backend.fsdp import units
 
     out = {}
     for reshard in (False, True):
@@ -188,11 +188,11 @@ def _accumulate(mesh, rank: int) -> dict:
 
 def _resume(mesh, rank: int, ckpt_dir: str) -> dict:
     """Load the 4-rank checkpoint of step 5 into a differently initialised 2-rank model, train on."""
-    from torch_backend import load_checkpoint
+    from torch_backend import load_dcp_checkpoint
 
     model = _sharded_model(mesh, seed=123)
     opt = optimizer(model)
-    load_checkpoint(Path(ckpt_dir) / "step5", model, opt)
+    load_dcp_checkpoint(Path(ckpt_dir) / "step5", model, opt)
     loaded = _full_params(model)
     losses = _train(model, opt, range(SAVE_AT, STEPS), rank, mesh.size())
     return {"loaded": loaded, "losses": losses, "params": _full_params(model)}
@@ -246,7 +246,7 @@ def _meta_init(mesh) -> dict:
 def _layouts(mesh) -> dict:
     """Each unit's runtime Layout equals the pure ``plan_module`` of its modules under the model."""
     from torch_backend import plan_module
-    from torch_backend.fsdp._fully_shard import units
+    from torch_backend.fsdp import units
     from torch_backend.models import Llama
 
     model = _sharded_model(mesh)
@@ -263,13 +263,13 @@ def fault_checks(rank: int, world: int, ckpt_dir: str, how: str) -> dict:
     (``hang``) in the middle of a step, or dies while writing a checkpoint (``kill_saving``); the
     others report what they saw.
     """
-    from torch_backend import save_checkpoint
+    from torch_backend import save_dcp_checkpoint
 
     mesh = init_device_mesh("cpu", (world,))
     model = _sharded_model(mesh)
     opt = optimizer(model)
     _train(model, opt, range(1), rank, world)
-    save_checkpoint(Path(ckpt_dir) / "complete", model, opt)
+    save_dcp_checkpoint(Path(ckpt_dir) / "complete", model, opt)
     victim = rank == world - 1
 
     if how == "kill_saving":
@@ -281,7 +281,7 @@ def fault_checks(rank: int, world: int, ckpt_dir: str, how: str) -> dict:
 
             dcp.FileSystemWriter.write_data = die
         target = "saving"
-        step = lambda: save_checkpoint(Path(ckpt_dir) / "torn", model, opt)  # noqa: E731
+        step = lambda: save_dcp_checkpoint(Path(ckpt_dir) / "torn", model, opt)  # noqa: E731
     else:
         if victim:
             def fail(*_):

@@ -252,7 +252,7 @@ def _meta_initialized(mesh=None) -> nn.Module:
 
 def _meta_llama(mesh, rank: int, world: int) -> dict:
     """The meta-device recipe sharded trains like the same recipe single-process (same seed)."""
-    from torch_backend.fsdp._fully_shard import units
+    from torch_backend.fsdp import units
 
     model = _meta_initialized(mesh)
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731

@@ -15,9 +15,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ragged
-from torch_backend import MixedPrecisionPolicy, fully_shard, plan_module
-from torch_backend.fsdp._dbuffer import DBuffer
-from torch_backend.fsdp._unit import UnitState
+import torch_backend
+from torch_backend import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    load_dcp_checkpoint,
+    plan_module,
+    save_dcp_checkpoint,
+)
+from torch_backend.fsdp import DBuffer, UnitState, units
 from torch_backend.models import Llama, cross_entropy, parallelize
 
 UNIT_GROUPS = {
@@ -50,7 +56,7 @@ def test_plan_module_names_and_granularity():
     for t in rows16.tensors:  # matrices in blocks of 16 whole rows, vectors element-wise
         assert t.block == (16 * t.shape[-1] if len(t.shape) == 2 else 1), t
     seen = []
-    by_fn = plan_module(model.layers[1], 4, lambda name, p: seen.append(name) or "whole")
+    by_fn = plan_module(model.layers[1], 4, lambda name, shape: seen.append(name) or "whole")
     assert all(t.block == t.numel for t in by_fn.tensors) and seen[0] == "attention.wq.weight"
     with pytest.raises(ragged.GranularityError, match="feed_forward.w1.weight.*rows:32"):
         plan_module(model.layers[1], 4, "rows:32")  # 176 rows are not a multiple of 32
@@ -130,20 +136,33 @@ def mesh():
 def test_sharded_parameters_and_gradients_are_views_into_the_buffers(mesh):
     model = parallelize(Llama(), mesh)
     block = model.layers[0]
-    unit = block._fsdp_state.unit
+    unit = units(block)[0]
     x = torch.randint(0, 256, (2, 8))
     cross_entropy(model(x), x).backward()
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     for ref, p in zip(unit.refs, unit.sharded):
-        assert ref.module._parameters[ref.attr] is p  # sharded again after backward
+        assert getattr(ref.module, ref.attr) is p  # sharded again after backward
         assert storage(p.to_local()) == storage(unit.master.shard)
         assert storage(p.grad.to_local()) == storage(unit.main_grad.shard)
     assert not unit.compute.full_allocated and not unit.grads.full_allocated  # freed after backward
 
 
+def test_debug_counter_times_the_collective_waits(mesh):
+    from torch_backend import debug_counter
+
+    model = parallelize(Llama(), mesh)
+    x = torch.randint(0, 256, (2, 8))
+    with debug_counter() as idle:
+        pass
+    with debug_counter() as c:
+        cross_entropy(model(x), x).backward()
+    assert c.per_unit("all_gather") and c.per_unit("reduce_scatter")
+    assert c.wait_seconds > 0 and idle.wait_seconds == 0
+
+
 def test_unshard_reshard_and_prefetch(mesh):
     model = parallelize(Llama(), mesh)
-    unit = model.layers[2]._fsdp_state.unit
+    unit = units(model.layers[2])[0]
     assert unit.state is UnitState.SHARDED
     handle = model.layers[2].unshard(async_op=True)
     handle.wait()
@@ -169,10 +188,10 @@ def test_unshard_reshard_and_prefetch(mesh):
 def test_fully_shard_a_list_and_the_root_names_units_by_fqn(mesh):
     model = Llama()
     fully_shard([model.norm, model.output], mesh=mesh)
-    assert model.output._fsdp_state is model.norm._fsdp_state
-    assert [r.name for r in model.output._fsdp_state.unit.refs] == ["0.weight", "1.weight"]
+    assert units(model.output)[0] is units(model.norm)[0]
+    assert [r.name for r in units(model.output)[0].refs] == ["0.weight", "1.weight"]
     fully_shard(model, mesh=mesh)
-    unit = model.output._fsdp_state.unit
+    unit = units(model.output)[0]
     assert unit.name == "output" and [r.name for r in unit.refs] == ["norm.weight", "output.weight"]
     assert unit.layout == plan_module([model.norm, model.output], 1, root=model)
 
@@ -215,7 +234,7 @@ def test_apply_changing_dtype_rebuilds_the_unit_and_keeps_views(mesh):
     before = list(model.parameters())
     model.double()
     plain.double()
-    unit = model._fsdp_state.unit
+    unit = units(model)[0]
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     assert list(model.parameters()) == before  # the same parameter objects (an optimizer keeps them)
     for p in model.parameters():
@@ -226,3 +245,13 @@ def test_apply_changing_dtype_rebuilds_the_unit_and_keeps_views(mesh):
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.full_tensor(), q)
         torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+
+
+def test_dcp_checkpoint_refusals_raise_the_core_checkpoint_error(tmp_path):
+    """One checkpoint error for every format: DCP's refusals (before any collective) are ragged's."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ragged.CheckpointError, match="save_dcp_checkpoint: .* exists already"):
+        save_dcp_checkpoint(tmp_path, model)
+    with pytest.raises(ragged.CheckpointError, match="load_dcp_checkpoint: .* not a complete checkpoint"):
+        load_dcp_checkpoint(tmp_path / "missing", model)
+    assert torch_backend.CheckpointError is ragged.CheckpointError

@@ -272,7 +272,7 @@ def test_optimizers_on_fully_shard_units_match_single_process(make_opt, world):
 
     def fn(rank: int, world: int):
         sharded = fully_shard(copy.deepcopy(base), mesh=init_device_mesh("cpu", (world,)),
-                              granularity=lambda name, p: ragged.tile_granularity(tuple(p.shape)))
+                              granularity=lambda name, shape: ragged.tile_granularity(shape))
         return _fit(sharded, make_opt, x, y), {n: p.full_tensor() for n, p in sharded.named_parameters()}
 
     # The reduce-scatter sums gradients in another order; for 8-bit Adam that last-ulp difference can move a

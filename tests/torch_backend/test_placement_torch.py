@@ -17,8 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 import ragged
 import torch_backend
 from torch_backend import RaggedShard, UnsupportedRaggedOp
-from torch_backend.placement import _dcp, _dtensor_hooks, _ops
-from torch_backend.placement._redistribute import ragged_mesh_dim
+from torch_backend.placement import _dcp, _dtensor_hooks, _ops, ragged_mesh_dim
 
 aten = torch.ops.aten
 

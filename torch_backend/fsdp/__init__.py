@@ -1,28 +1,40 @@
-"""torch_backend.fsdp: the FSDP runtime (``fully_shard``, its units, hooks, DBuffers and checkpoints)."""
+"""torch_backend.fsdp: the FSDP runtime (``fully_shard``, its units, hooks, DBuffers and checkpoints).
+
+Beside what ``torch_backend`` exports, ``units(model)`` lists the ``Unit``s (one flat ``DBuffer`` each,
+in a ``UnitState``) that tests and benchmarks inspect.
+"""
 
 from torch_backend.fsdp._api import MixedPrecisionPolicy
+from torch_backend.fsdp._dbuffer import DBuffer
+from torch_backend.fsdp._dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
 from torch_backend.fsdp._fully_shard import (
     FSDPModule,
+    GranularityArg,
     clip_grad_norm_,
     fully_shard,
     plan_module,
     register_fsdp_forward_method,
+    units,
     unsharded,
 )
 from torch_backend.fsdp._neutral_checkpoint import load_neutral_checkpoint, save_neutral_checkpoint
-from torch_backend.fsdp._state_dict import CheckpointError, load_checkpoint, save_checkpoint
+from torch_backend.fsdp._unit import Unit, UnitState
 
 __all__ = [
-    "CheckpointError",
+    "DBuffer",
     "FSDPModule",
+    "GranularityArg",
     "MixedPrecisionPolicy",
+    "Unit",
+    "UnitState",
     "clip_grad_norm_",
     "fully_shard",
-    "load_checkpoint",
+    "load_dcp_checkpoint",
     "load_neutral_checkpoint",
     "plan_module",
     "register_fsdp_forward_method",
-    "save_checkpoint",
+    "save_dcp_checkpoint",
     "save_neutral_checkpoint",
+    "units",
     "unsharded",
 ]

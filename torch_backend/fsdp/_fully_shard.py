@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,13 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import ragged
-from ragged import Granularity, Layout, TensorSpec
+from ragged import Granularity, GranularityRule, Layout, TensorSpec
 from torch_backend._collectives import all_reduce
+from torch_backend._torch_internals import root_mesh
 from torch_backend.fsdp._api import MixedPrecisionPolicy
-from torch_backend.fsdp._hooks import FSDPState
+from torch_backend.fsdp._hooks import FSDPState, state_of, states_under
 from torch_backend.fsdp._unit import ParamRef, Unit
 
-GranularityArg = Callable[[str, torch.Tensor], Any] | Granularity | int | str | None
+GranularityArg = GranularityRule | Granularity | int | str | None
 
 
 class FSDPModule:
@@ -34,15 +35,13 @@ class FSDPModule:
     shard) outside forward and backward; the optimizer steps them in place.
     """
 
-    _fsdp_state: FSDPState
-
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's unit and register its unsharded parameters.
 
         Args:
             async_op: return a handle whose ``wait()`` finishes the all-gather instead of waiting.
         """
-        unit = self._fsdp_state.unit
+        unit = state_of(self).unit
         if unit is None:
             return None
         unit.unshard(async_op=async_op)
@@ -50,8 +49,9 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this unit's unsharded buffer and register the sharded parameters again."""
-        if self._fsdp_state.unit is not None:
-            self._fsdp_state.unit.reshard()
+        unit = state_of(self).unit
+        if unit is not None:
+            unit.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With False, backward keeps accumulating unsharded gradients and does not reduce them.
@@ -59,7 +59,7 @@ class FSDPModule:
         The next backward with True reduces everything accumulated since the last reduce (gradient
         accumulation over micro-batches with one reduce-scatter per unit).
         """
-        for state in _states(self, recurse):
+        for state in states_under([self], recurse):
             if state.unit is not None:
                 state.unit.requires_grad_sync = requires_gradient_sync
 
@@ -71,18 +71,20 @@ class FSDPModule:
         """
         self.reshard()
         ret = super()._apply(*args, **kwargs)
-        if self._fsdp_state.unit is not None:
-            self._fsdp_state.unit.adopt_sharded()
+        unit = state_of(self).unit
+        if unit is not None:
+            unit.adopt_sharded()
         return ret
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """All-gather ``modules``' units (asynchronously) when this module's forward starts."""
-        self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+        state_of(self).forward_prefetch = [_checked_state(m, "set_modules_to_forward_prefetch")
+                                           for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """All-gather ``modules``' units (asynchronously) when this module's backward starts."""
-        self._fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch")
-                                              for m in modules]
+        state_of(self).backward_prefetch = [_checked_state(m, "set_modules_to_backward_prefetch")
+                                            for m in modules]
 
 
 class UnshardHandle:
@@ -107,29 +109,20 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method "
                          f"{method_name!r}")
     method = getattr(module, method_name).__func__
-    state = module._fsdp_state
+    state = state_of(module)
 
     @functools.wraps(method)
     def through_hooks(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward(self, args, kwargs)
-        return state._post_forward(self, args, method(self, *args, **kwargs))
+        args, kwargs = state.pre_forward(self, args, kwargs)
+        return state.post_forward(self, args, method(self, *args, **kwargs))
 
     setattr(module, method_name, through_hooks.__get__(module))
 
 
-def _state_of(module: nn.Module, where: str) -> FSDPState:
+def _checked_state(module: nn.Module, where: str) -> FSDPState:
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{where}: {type(module).__name__} is not sharded; call fully_shard on it first")
-    return module._fsdp_state
-
-
-def _states(module: nn.Module, recurse: bool = True) -> list[FSDPState]:
-    """The distinct FSDP states of ``module`` (and of every module below it when ``recurse``)."""
-    seen: dict[int, FSDPState] = {}
-    for m in module.modules() if recurse else [module]:
-        if isinstance(m, FSDPModule):
-            seen.setdefault(id(m._fsdp_state), m._fsdp_state)
-    return list(seen.values())
+    return state_of(module)
 
 
 def _managed(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
@@ -154,12 +147,11 @@ def _uses(modules: Sequence[nn.Module]) -> list[tuple[str | None, nn.Module, str
         if id(m) in visited:  # a module registered twice: its parameters are already listed
             return
         visited.add(id(m))
-        for attr, p in m._parameters.items():
-            if p is not None:
-                out.append((None if id(p) in seen else prefix + attr, m, attr, p))
-                seen.add(id(p))
-        for child_name, child in m._modules.items():
-            if child is not None and not isinstance(child, FSDPModule):
+        for attr, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            out.append((None if id(p) in seen else prefix + attr, m, attr, p))
+            seen.add(id(p))
+        for child_name, child in m.named_children():
+            if not isinstance(child, FSDPModule):
                 visit(child, f"{prefix}{child_name}.")
 
     for i, m in enumerate(modules):
@@ -169,7 +161,7 @@ def _uses(modules: Sequence[nn.Module]) -> list[tuple[str | None, nn.Module, str
 
 def _resolve_granularity(granularity: GranularityArg, name: str, param: torch.Tensor) -> Granularity:
     if callable(granularity):
-        return Granularity.parse(granularity(name, param))
+        return Granularity.parse(granularity(name, tuple(param.shape)))
     return ragged.granularity_for(tuple(param.shape), "rows:1" if granularity is None else granularity)
 
 
@@ -198,8 +190,9 @@ def plan_module(module_or_modules: nn.Module | Sequence[nn.Module], world_size: 
         module_or_modules: one module or a list of modules planned as one unit.
         world_size: devices on the sharding mesh dim.
         granularity: None for FSDP2's expectation (whole rows of matrices, 1-D tensors element-wise),
-            one granularity for every matrix (e.g. ``"rows:32"``), or a function ``(name, param) ->``
-            granularity, called with the names that go into the Layout.
+            one granularity for every matrix (e.g. ``"rows:32"``), or a function ``(name, shape) ->``
+            granularity (``ragged.GranularityRule``, as on JAX), called with the names that go into the
+            Layout: relative to the module (FSDP2 has no root at wrap time) unless ``root`` is given.
         root: when given, tensors are named by their FQN under ``root`` and the Layout by the FQN of
             the last module (``"output"`` for ``[model.norm, model.output]``); otherwise names are
             relative to the module (prefixed by the list index for a list).
@@ -249,7 +242,7 @@ def _check_mesh_covers(mesh: DeviceMesh) -> None:
     """
     if not dist.is_initialized():
         return
-    root = _root_mesh(mesh)
+    root = root_mesh(mesh)
     world = dist.get_world_size()
     if root.size() != world or mesh.get_coordinate() is None:
         ranks = root.mesh.flatten().tolist()
@@ -257,15 +250,6 @@ def _check_mesh_covers(mesh: DeviceMesh) -> None:
                          f"ranks; every rank must hold a place in the mesh (build it over all "
                          f"{world} ranks, e.g. init_device_mesh(device_type, ({world},)), or cut sub-meshes "
                          "from such a mesh)")
-
-
-def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    if get_root is not None:
-        return get_root()
-    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.9
-
-    return _mesh_resources.get_root_mesh(mesh)
 
 
 def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> None:
@@ -340,11 +324,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         refs = [ParamRef(n, owner, attr, tuple(shared.get(id(p), ()))) for n, owner, attr, p in params]
         unit = Unit(layout.name, layout, refs, [p for *_, p in params], mesh,
                     mp_policy or MixedPrecisionPolicy())
-    state = FSDPState(tuple(modules), unit, reshard_after_forward)
+    FSDPState(tuple(modules), unit, reshard_after_forward)  # hooks the modules and attaches to them
     for m in modules:
         cls = m.__class__
         m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-        m._fsdp_state = state
     for top in modules:
         _name_units(top)
     return module
@@ -353,7 +336,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
 def _name_units(top: nn.Module) -> None:
     """Rename every unit under ``top`` by FQNs under ``top`` (offsets untouched; outer calls win)."""
     fqns = _fqns(top)
-    for state in _states(top):
+    for state in states_under([top]):
         unit = state.unit
         if unit is None or any(id(m) not in fqns for m in state.modules):
             continue
@@ -363,7 +346,7 @@ def _name_units(top: nn.Module) -> None:
 
 def units(module: nn.Module) -> list[Unit]:
     """The units of every sharded module under ``module`` (itself included), in module order."""
-    return [s.unit for s in _states(module) if s.unit is not None]
+    return [s.unit for s in states_under([module]) if s.unit is not None]
 
 
 @contextlib.contextmanager
@@ -374,7 +357,7 @@ def unsharded(module: nn.Module) -> Iterator[None]:
     model's own initialisation on full tensors (the same on every rank, so the same values as a
     single-process run with the same seed) and each rank keeps its slice when the block exits.
     """
-    states = _states(module)
+    states = states_under([module])
     for s in states:
         if s.unit is not None:
             s.unit.unshard()

@@ -12,13 +12,13 @@ finishes every reduce and reshards whatever is still unsharded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torch_backend._torch_internals import pytree, queue_backward_callback
 from torch_backend.fsdp._unit import Unit
 
 
@@ -46,15 +46,16 @@ class FSDPState:
         if unit is not None:
             unit.post_backward_callback = self._maybe_post_backward
         for m in modules:
-            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            m.register_forward_hook(self._post_forward)
+            m.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            m.register_forward_hook(self.post_forward)
+            m._fsdp_state = self
 
     @property
     def is_root(self) -> bool:
         return self.root is not None and self.root.state is self
 
     # ----- forward ---------------------------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root is None:
             RootContext(self)
         if self.is_root and self._modules_left == 0:
@@ -84,7 +85,7 @@ class FSDPState:
         resharded, since frozen parameters are still read by that backward (LoRA, frozen norms) after
         the last trainable gradient landed.
         """
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = pytree.tree_flatten((args, kwargs))
         index = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not index or self.unit is None:
             return args, kwargs
@@ -92,7 +93,7 @@ class FSDPState:
         outs = _InputsDone.apply(self, *(flat[i] for i in index))
         for i, t in zip(index, outs):
             flat[i] = t
-        return tree_unflatten(flat, spec)
+        return pytree.tree_unflatten(flat, spec)
 
     def _inputs_done(self) -> None:
         self._inputs_pending -= 1
@@ -100,11 +101,12 @@ class FSDPState:
 
     def _maybe_post_backward(self) -> None:
         unit = self.unit
-        if unit is not None and unit._grads_ready and unit._grads_left == 0 and self._inputs_pending == 0:
+        if unit is not None and unit.all_grads_landed and self._inputs_pending == 0:
             self.post_backward()
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        leaves = pytree.tree_leaves(output)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         self._modules_left -= 1
@@ -139,6 +141,22 @@ class FSDPState:
         self.root.finish_reduces()
         if self.unit.post_backward():
             self.root.reducing(self.unit)
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The FSDP state of a module ``fully_shard`` was called on (None for any other module)."""
+    return getattr(module, "_fsdp_state", None)
+
+
+def states_under(modules: Sequence[nn.Module], recurse: bool = True) -> list[FSDPState]:
+    """The distinct FSDP states of ``modules`` (and of every module below them when ``recurse``)."""
+    seen: dict[int, FSDPState] = {}
+    for top in modules:
+        for m in top.modules() if recurse else [top]:
+            s = state_of(m)
+            if s is not None:
+                seen.setdefault(id(s), s)
+    return list(seen.values())
 
 
 class _InputsDone(torch.autograd.Function):
@@ -183,13 +201,7 @@ class RootContext:
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
-        seen: dict[int, FSDPState] = {}
-        for top in state.modules:
-            for m in top.modules():
-                s = getattr(m, "_fsdp_state", None)
-                if s is not None:
-                    seen.setdefault(id(s), s)
-        self.states = list(seen.values())
+        self.states = states_under(state.modules)
         _check_one_unit_per_parameter(state.modules, self.states)
         self.forward_order: list[FSDPState] = []
         self.last_forward_order: list[FSDPState] = []
@@ -227,7 +239,7 @@ class RootContext:
     def begin_backward(self) -> None:
         if not self.in_backward:
             self.in_backward = True
-            Variable._execution_engine.queue_callback(self.end_backward)
+            queue_backward_callback(self.end_backward)
 
     def reducing(self, unit: Unit) -> None:
         """``unit`` issued its reduce-scatter; it is finished by the next unit's or the final callback."""
@@ -242,7 +254,7 @@ class RootContext:
     def end_backward(self) -> None:
         """The end-of-backward callback: reduce units whose hooks did not all fire, finish, reshard."""
         for s in self.states:
-            if s.unit is not None and s.unit._grads_ready:
+            if s.unit is not None and s.unit.grads_ready:
                 s.post_backward()  # some parameter got no gradient (unused in this forward)
         self.finish_reduces()
         self.end_step()

@@ -21,10 +21,15 @@ from torch.distributed.tensor import DTensor, Replicate
 from ragged import Layout, TensorSlot
 from torch_backend._collectives import Pending, all_gather, all_reduce, reduce_scatter, side_stream
 from torch_backend._debug import record_copy
+from torch_backend._torch_internals import (
+    preserve_version_counter,
+    set_local_tensor,
+    set_parameter,
+    version_of,
+)
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._dbuffer import DBuffer
-from torch_backend.placement._dtensor_hooks import make_dtensor
-from torch_backend.placement._placement import RaggedShard
+from torch_backend.placement import RaggedShard, make_dtensor
 
 
 class UnitState(enum.Enum):
@@ -51,11 +56,6 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
-
-
-def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: tuple[int, ...]) -> DTensor:
-    """A DTensor of global ``shape`` whose local tensor is ``local`` itself (a view, no copy)."""
-    return make_dtensor(local, mesh, placements, shape)  # from_local would take shape () for "infer"
 
 
 class Unit:
@@ -105,7 +105,7 @@ class Unit:
             if not orig.is_meta:
                 self._copy_into_shard(ref.name, orig.detach())
             local = self.master.shard_view(ref.name)
-            self.sharded.append(nn.Parameter(_dtensor(local, mesh, placements, tuple(orig.shape)),
+            self.sharded.append(nn.Parameter(make_dtensor(local, mesh, placements, tuple(orig.shape)),
                                              requires_grad=orig.requires_grad))
         self._register(self.sharded)
 
@@ -119,7 +119,7 @@ class Unit:
         self._landed: set[int] = set()  # indices of the params that received a gradient since the reduce
         self._reduced: set[int] = set()  # those of them in the reduce in flight
         self._version = -1  # the unsharded buffer's version once filled (to detect user writes)
-        self._keep_version: torch.autograd._unsafe_preserve_version_counter | None = None
+        self._keep_version: preserve_version_counter | None = None
         self.post_backward_callback = None  # set by the hooks: called when all gradients landed
 
     def _build_buffers(self, master_dtype: torch.dtype, device: torch.device) -> None:
@@ -138,8 +138,8 @@ class Unit:
         self._sharded_grads: list[DTensor] = []
         for i, (ref, placements) in enumerate(zip(self.refs, self._placements)):
             slot = layout.slot(ref.name)
-            self._sharded_grads.append(_dtensor(self.main_grad.shard_view(ref.name), self.mesh, placements,
-                                                slot.shape))
+            grad = self.main_grad.shard_view(ref.name)
+            self._sharded_grads.append(make_dtensor(grad, self.mesh, placements, slot.shape))
             # Hooks on every parameter: ``requires_grad`` may be switched on after wrapping.
             unsharded = nn.Parameter(self.compute.full_view(ref.name))
             unsharded.register_hook(self._on_first_grad)
@@ -164,8 +164,8 @@ class Unit:
         (and an optimizer's references) stay the same.
         """
         self.reshard()
-        params = [ref.module._parameters[ref.attr] for ref in self.refs]
-        locals_ = [p._local_tensor for p in params]
+        params = [getattr(ref.module, ref.attr) for ref in self.refs]
+        locals_ = [p.to_local() for p in params]  # under no_grad: the local tensor itself
         if any(t.is_meta for t in locals_):
             return  # ``to("meta")``: nothing to keep; the buffers stay as they are
         first = locals_[0]
@@ -178,16 +178,16 @@ class Unit:
                     view.untyped_storage().data_ptr(), view.storage_offset()):
                 record_copy(view, local)
                 view.copy_(local.reshape(-1))
-            p._local_tensor = view
+            set_local_tensor(p, view)
         self.sharded = params
         self._register(self.sharded)
 
     # ----- registration ---------------------------------------------------------------------------
     def _register(self, params: list[nn.Parameter]) -> None:
         for ref, p in zip(self.refs, params):
-            ref.module._parameters[ref.attr] = p
+            set_parameter(ref.module, ref.attr, p)
             for module, attr in ref.shared:
-                module._parameters[attr] = p
+                set_parameter(module, attr, p)
 
     def rename(self, name: str, names: dict[str, str]) -> None:
         """Name the unit and its tensors (e.g. by FQNs once the root is known); no offset moves."""
@@ -215,7 +215,7 @@ class Unit:
             # The all-gather refills memory that autograd saved in forward (reshard_after_forward) with
             # the same values, so the version counter guarding saved tensors must not move: remember it
             # now and restore it once the collective is done (gloo bumps it when the work completes).
-            self._keep_version = torch.autograd._unsafe_preserve_version_counter(self.compute.full)
+            self._keep_version = preserve_version_counter(self.compute.full)
             self._pending_all_gather = all_gather(self.compute.full, self.compute.shard, self.shard_group,
                                                   unit=self.name)
         if not async_op:
@@ -228,7 +228,7 @@ class Unit:
             pending.wait()
             with self._keep_version:  # restores the version remembered at issue
                 pass
-            self._version = self.compute.full._version
+            self._version = version_of(self.compute.full)
         if self.state is UnitState.SHARDED:
             for sharded, unsharded in zip(self.sharded, self.unsharded):
                 unsharded.requires_grad_(sharded.requires_grad)  # a switch after wrapping takes effect
@@ -245,7 +245,7 @@ class Unit:
             self.wait_for_unshard()  # never free memory a collective is still writing
         if self.state is UnitState.SHARDED:
             return
-        if self.compute.full._version != self._version:
+        if version_of(self.compute.full) != self._version:
             lo, hi = self.layout.shard_range(self.rank)
             self.master.copy_(self.compute.full[lo:hi])
         self._register(self.sharded)
@@ -271,6 +271,16 @@ class Unit:
                 p.grad = self.grads.full_view(ref.name)
                 self._grads_left += 1
         self._grads_ready = True
+
+    @property
+    def grads_ready(self) -> bool:
+        """The unsharded ``.grad`` views are set for this backward (its gradients may still be landing)."""
+        return self._grads_ready
+
+    @property
+    def all_grads_landed(self) -> bool:
+        """Every gradient of this backward has landed in the unsharded gradient buffer."""
+        return self._grads_ready and self._grads_left == 0
 
     def _on_grad_accumulated(self, index: int) -> None:
         self._landed.add(index)

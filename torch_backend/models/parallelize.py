@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_backend.fsdp._api import MixedPrecisionPolicy
-from torch_backend.fsdp._fully_shard import GranularityArg, fully_shard
+from torch_backend.fsdp import GranularityArg, MixedPrecisionPolicy, fully_shard
 from torch_backend.models.llama import Llama
 
 

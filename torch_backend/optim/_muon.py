@@ -33,8 +33,7 @@ from torch.distributed.tensor import DTensor
 import ragged
 from torch_backend.optim._adam8bit import adam_direction
 from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
-from torch_backend.placement._placement import RaggedShard
-from torch_backend.placement._redistribute import start_all_to_all
+from torch_backend.placement import RaggedShard, make_dtensor, ragged_mesh_dim, start_all_to_all
 
 Finish = Callable[[], torch.Tensor]  # waits for an issued exchange and returns what arrived
 
@@ -72,11 +71,11 @@ def orthogonalize(update: torch.Tensor, p: torch.Tensor, root: int,
     on_root = list(placements)
     on_root[_ragged_dim(p)] = RaggedShard.whole_on(root, mesh.size(_ragged_dim(p)))
     # run_check=False: both locals are cut from the layout here, so skip from_local's size all_gather.
-    sharded = DTensor.from_local(update, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+    sharded = make_dtensor(update, mesh, placements, p.shape)
     whole = sharded.redistribute(mesh, on_root).to_local()  # the full matrix on root, empty elsewhere
     if whole.numel():
         whole = newton_schulz(whole.view(p.shape), dtype=dtype).reshape(-1)
-    back = DTensor.from_local(whole, mesh, on_root, run_check=False, shape=p.shape, stride=p.stride())
+    back = make_dtensor(whole, mesh, on_root, p.shape)
     return back.redistribute(mesh, placements).to_local()
 
 
@@ -267,9 +266,7 @@ class Muon(ParamwiseOptimizer):
 
 def _ragged_dim(p: torch.Tensor) -> int | None:
     """The mesh dim that ragged-shards ``p`` (``None`` for plain or replicated tensors)."""
-    if isinstance(p, DTensor):
-        return next((i for i, q in enumerate(p.placements) if isinstance(q, RaggedShard)), None)
-    return None
+    return ragged_mesh_dim(p.placements) if isinstance(p, DTensor) else None
 
 
 def _ragged_world(p: torch.Tensor) -> int:

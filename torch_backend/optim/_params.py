@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 import ragged
-from torch_backend.placement._placement import RaggedShard
+from torch_backend.placement import RaggedShard, ragged_mesh_dim
 
 
 def local_slice(p: torch.Tensor, name: str) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -32,10 +32,10 @@ def local_slice(p: torch.Tensor, name: str) -> tuple[torch.Tensor, list[tuple[in
             "RaggedShard on one mesh dim (Replicate elsewhere) so that blocks stay whole on one device"
         )
     local = p.to_local().detach().view(-1)
-    dims = [i for i, q in enumerate(placements) if isinstance(q, RaggedShard)]
-    if not dims:
+    m = ragged_mesh_dim(placements, name)
+    if m is None:
         return local, [(0, p.numel())]
-    return local, list(placements[dims[0]].core.ranges(tuple(p.shape), name))
+    return local, list(placements[m].core.ranges(tuple(p.shape), name))
 
 
 def param_names(group: dict[str, Any], index: int) -> list[str]:

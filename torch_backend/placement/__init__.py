@@ -2,10 +2,13 @@
 
 Importing it installs the DTensor hooks (``_dtensor_hooks``) that make ``RaggedShard`` work with
 ``distribute_tensor``, ``redistribute``, ``full_tensor``, ops and torch.distributed.checkpoint.
+``make_dtensor`` (the FSDP runtime's parameters) and ``start_all_to_all`` (Muon's gathers) are what the
+rest of torch_backend builds on.
 """
 
-from torch_backend.placement import _dtensor_hooks  # noqa: F401  (importing it installs the DTensor hooks)
+from torch_backend.placement._dtensor_hooks import make_dtensor
 from torch_backend.placement._ops import UnsupportedRaggedOp
-from torch_backend.placement._placement import RaggedShard
+from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
+from torch_backend.placement._redistribute import start_all_to_all
 
-__all__ = ["RaggedShard", "UnsupportedRaggedOp"]
+__all__ = ["RaggedShard", "UnsupportedRaggedOp", "make_dtensor", "ragged_mesh_dim", "start_all_to_all"]

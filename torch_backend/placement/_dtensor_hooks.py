@@ -1,10 +1,11 @@
-"""Every touch of torch's private DTensor machinery, in one place (torch 2.11 to 2.13).
+"""The DTensor hooks that make RaggedShard a working placement (torch 2.11 to 2.13).
 
 torch accepts a custom ``Placement`` only in ``DTensor.from_local`` / ``to_local``. Everything else a
-RaggedShard DTensor needs goes through the hooks below. Each wraps one torch function, hands RaggedShard
-cases to this package (``_redistribute`` executes the core's plans, ``_ops`` holds the sharding rules)
-and calls the original function unchanged for every other DTensor. ``register()`` installs them once
-(idempotent); ``torch_backend`` calls it at import.
+RaggedShard DTensor needs goes through the hooks below (the private torch objects they patch come from
+``torch_backend._torch_internals``, which checks them against the torch version). Each wraps one torch
+function, hands RaggedShard cases to this package (``_redistribute`` executes the core's plans, ``_ops``
+holds the sharding rules) and calls the original function unchanged for every other DTensor.
+``register()`` installs them once (idempotent); importing this module calls it.
 
 Hooks (the torch function each wraps):
   1. ``torch.distributed.tensor._redistribute.redistribute_local_tensor``: used by
@@ -28,6 +29,8 @@ Hooks (the torch function each wraps):
      ``_local_scalar_dense`` (``.item()``).
   9. ``DTensor.__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``:
      torch.distributed.checkpoint metadata (see ``_dcp``).
+ 10. ``torch.distributed._state_dict_utils._distribute_tensors``: ``set_model_state_dict(...,
+     broadcast_from_rank0=True)`` copies each RaggedShard local's flat range of the full tensor.
 
 Hooks 1, 2 and 4 rebind the code of torch's function object (``_rebind``) rather than a module
 attribute, so callers that imported the function before ``torch_backend`` (``from
@@ -40,28 +43,36 @@ import functools
 import itertools
 import math
 import types
-import warnings
 from collections.abc import Sequence
 
 import torch
-import torch.distributed.tensor._api as dt_api
-import torch.distributed.tensor._redistribute as dt_redistribute
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor._ops._math_ops import _NormPartial
-from torch.distributed.tensor._sharding_prop import LocalLRUCache, ShardingPropagator
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from torch_backend._torch_internals import (
+    REBINDABLE,
+    DataDependentOutputException,
+    DTensorSpec,
+    DynamicOutputShapeException,
+    LocalLRUCache,
+    NormPartial,
+    OpSchema,
+    OutputSharding,
+    ShardingPropagator,
+    TensorMeta,
+    compute_local_shape_and_global_offset,
+    current_mesh,
+    dt_api,
+    is_view_op,
+    mutates_self,
+    pytree,
+    return_and_correct_aliasing,
+    state_dict_utils,
+)
 from torch_backend.placement import _dcp, _ops
 from torch_backend.placement import _redistribute as rd
-from torch_backend.placement._placement import RaggedShard
+from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
 
-_SUPPORTED = ((2, 11), (2, 13))
 aten = torch.ops.aten
 _ORIGINAL: dict[str, object] = {}
 
@@ -70,13 +81,13 @@ def register() -> None:
     """Install the hooks once; calling it again does nothing.
 
     Raises:
-        RuntimeError: on a torch older than 2.11, or one that lacks an internal the hooks wrap.
+        RuntimeError: on a torch older than 2.11, or one that lacks an internal the hooks wrap
+            (raised when ``torch_backend._torch_internals`` is imported).
     """
     if _ORIGINAL:
         return
-    _check_torch()
-    for owner, name, hook in _REBOUND:
-        _ORIGINAL[name] = _rebind(getattr(owner, name), hook)
+    for owner, name in REBINDABLE:
+        _ORIGINAL[name] = _rebind(getattr(owner, name), _REBOUND[name])
 
     # A C++ builtin on torch 2.13, read only by _api's own functions: the module attribute is the hook.
     _ORIGINAL["compute_global_tensor_info"] = dt_api.compute_global_tensor_info
@@ -106,6 +117,8 @@ def register() -> None:
         for op in ops:
             _ORIGINAL[f"handler:{op}"] = handlers.get(op)
             handlers[op] = handler
+
+    _install_state_dict_hook()
 
     for attr, hook in (
         ("__create_write_items__", _create_write_items),
@@ -139,40 +152,6 @@ def _rebind(fn: types.FunctionType, hook) -> types.FunctionType:
     return original
 
 
-def _check_torch() -> None:
-    """Refuse torch < 2.11, warn above 2.13, and fail loudly if a hooked internal has moved."""
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if version < _SUPPORTED[0]:
-        raise RuntimeError(
-            f"torch_backend needs torch >= 2.11 (DTensor's C++ dispatch); found {torch.__version__}"
-        )
-    if version > _SUPPORTED[1]:
-        warnings.warn(
-            f"torch_backend's DTensor hooks are tested on torch 2.11..2.13, not {torch.__version__}",
-            stacklevel=3,
-        )
-    missing = [
-        name
-        for name, owner in (
-            ("compute_global_tensor_info", dt_api),
-            ("propagate_op_sharding_non_cached", ShardingPropagator),
-            ("_custom_op_handlers", DTensor._op_dispatcher),
-            ("_dispatch_get_local_results_slow_path", DTensor._op_dispatcher),
-            ("__create_write_items__", DTensor),
-        )
-        if not hasattr(owner, name)
-    ]
-    missing += [
-        f"{owner.__name__}.{name} (a plain function)"
-        for owner, name, _ in _REBOUND
-        if not isinstance(getattr(owner, name, None), types.FunctionType) or getattr(owner, name).__closure__
-    ]
-    if missing:
-        raise RuntimeError(
-            f"torch {torch.__version__} lacks the DTensor internals {missing} that RaggedShard hooks into"
-        )
-
-
 # ---------------------------------------------------------------------------------------------------
 # Shared helpers over torch's private types.
 # ---------------------------------------------------------------------------------------------------
@@ -199,12 +178,12 @@ def _shard_boxes(shape, mesh, placements, mine):
     # Every box on the mesh is checked on every rank, so all ranks raise the same error (no hang).
     everything = sorted(
         {
-            tuple(_compute_local_shape_and_global_offset(shape, mesh.shape, list(c), placements)[0])
+            tuple(compute_local_shape_and_global_offset(shape, mesh.shape, list(c), placements)[0])
             for c in itertools.product(*(range(n) for n in mesh.shape))
         }
     )
     own = (
-        _compute_local_shape_and_global_offset(shape, mesh.shape, list(mine), placements)[0]
+        compute_local_shape_and_global_offset(shape, mesh.shape, list(mine), placements)[0]
         if mine
         else shape
     )
@@ -213,7 +192,7 @@ def _shard_boxes(shape, mesh, placements, mine):
 
 def box_offset(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], coordinate):
     """(box shape, box global offset) of the device at ``coordinate``."""
-    local, offset = _compute_local_shape_and_global_offset(
+    local, offset = compute_local_shape_and_global_offset(
         tuple(shape), mesh.shape, list(coordinate), placements
     )
     return tuple(local), tuple(offset)
@@ -245,7 +224,7 @@ def make_dtensor(
 
 def local_piece(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
     """This device's flat local slice of a full (global-shaped) tensor, without communication."""
-    m = rd.ragged_mesh_dim(placements)
+    m = ragged_mesh_dim(placements)
     box, offset = box_offset(full.shape, mesh, placements, mesh.get_coordinate())
     boxed = full[tuple(slice(o, o + n) for o, n in zip(offset, box))]
     a, b = placements[m].core.ranges(box)[mesh.get_local_rank(m)]
@@ -295,12 +274,12 @@ def _redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, *
 def _distribute_tensor(tensor, device_mesh=None, placements=None, **kwargs):
     if placements is None or not has_ragged(placements):
         return _ORIGINAL["distribute_tensor"](tensor, device_mesh, placements, **kwargs)
-    mesh = device_mesh or dt_api._mesh_resources.get_current_mesh()
+    mesh = device_mesh or current_mesh()
     placements = tuple(placements)
     shape = tuple(tensor.shape)
     own, every = boxes(shape, mesh, placements)
     rd.validate(placements, mesh, shape, every)
-    m = rd.ragged_mesh_dim(placements)
+    m = ragged_mesh_dim(placements)
     # torch distributes the standard placements (a broadcast from src_data_rank keeps ranks consistent);
     # the RaggedShard is then a local slice of the box.
     standard = tuple(Replicate() if i == m else p for i, p in enumerate(placements))
@@ -333,7 +312,7 @@ def _compute_global_tensor_info(tensor, mesh, placements):
 def _dtensor_init_helper(init_op, size, device_mesh=None, placements=None, **kwargs):
     if placements is None or not has_ragged(placements):
         return _ORIGINAL["_dtensor_init_helper"](init_op, size, device_mesh, placements, **kwargs)
-    mesh = device_mesh or dt_api._mesh_resources.get_current_mesh()
+    mesh = device_mesh or current_mesh()
     placements, shape = tuple(placements), tuple(size)
     own, every = boxes(shape, mesh, placements)
     rd.validate(placements, mesh, shape, every)
@@ -346,7 +325,7 @@ def _dtensor_init_helper(init_op, size, device_mesh=None, placements=None, **kwa
         # generator's state equal the single-process call with the same seed, at every world size.
         local = local_piece(init_op(shape, **kwargs), mesh, placements).clone()
     else:
-        m = rd.ragged_mesh_dim(placements)
+        m = ragged_mesh_dim(placements)
         numel = placements[m].core.local_numel(own, mesh.get_local_rank(m))
         fill = (kwargs.pop("fill_value", 0),) if init_op is torch.full else ()
         local = init_op((numel,), *fill, **kwargs)
@@ -365,7 +344,7 @@ def _from_local(local_tensor, device_mesh=None, placements=None, *, run_check=_U
     # Unless run_check=False is passed explicitly (the runtime's hot paths), a RaggedShard local is
     # checked against the layout with one all_gather of the local sizes that every rank enters.
     if placements is not None and has_ragged(placements) and shape is not None and run_check is not False:
-        mesh = device_mesh or dt_api._mesh_resources.get_current_mesh()
+        mesh = device_mesh or current_mesh()
         placements = tuple(placements)
         own, every = boxes(tuple(shape), mesh, placements)
         rd.validate(placements, mesh, tuple(shape), every)
@@ -468,7 +447,7 @@ def _torch_placement(p):
             return Partial("min")
         if p.ord == 0:
             return Partial("sum")
-        return _NormPartial(p.ord)
+        return NormPartial(p.ord)
     return p
 
 
@@ -481,7 +460,7 @@ def _reduction_handler(op, args, kwargs):
     x = args[0]
     if not (isinstance(x, DTensor) and has_ragged(x.placements)):
         return _fallback(op, args, kwargs)
-    rank = x.device_mesh.get_local_rank(rd.ragged_mesh_dim(x.placements))
+    rank = x.device_mesh.get_local_rank(ragged_mesh_dim(x.placements))
     local, placements, shape = _ops.reduce(
         op,
         x._local_tensor,
@@ -517,7 +496,7 @@ def _random_fill_handler(op, args, kwargs):
     local = x._local_tensor
     full = op(torch.empty(x.shape, dtype=local.dtype, device=local.device), *args[1:], **kwargs)
     piece = local_piece(full, x.device_mesh, x.placements)
-    if _ops.mutates_self(op):
+    if mutates_self(op):
         local.copy_(piece)
         return x
     return make_dtensor(piece.clone(), x.device_mesh, x.placements, tuple(x.shape))
@@ -547,7 +526,7 @@ def _select_handler(op, args, kwargs):
     names = dict(zip(("dim", "index"), args[1:])) | kwargs
     if not (isinstance(x, DTensor) and has_ragged(x.placements) and names["dim"] % max(x.ndim, 1) == 0):
         return _fallback(op, args, kwargs)
-    mesh, m = x.device_mesh, rd.ragged_mesh_dim(x.placements)
+    mesh, m = x.device_mesh, ragged_mesh_dim(x.placements)
     start, stop, placements = _ops.select_first(
         op, tuple(x.shape), tuple(x.placements), mesh.get_local_rank(m), names["index"]
     )
@@ -582,10 +561,10 @@ def _default_dispatch(op, args, kwargs):
     op_info = dispatcher.unwrap_to_op_info(op, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
     local = dispatcher._dispatch_get_local_results_slow_path(op, args, op_info)
-    if _ops.mutates_self(op):
+    if mutates_self(op):
         return args[0]
     out = dispatcher.wrap(local, op_info.output_sharding.output_spec)
-    return return_and_correct_aliasing(op, args, kwargs, out) if op._schema._is_view_op() else out
+    return return_and_correct_aliasing(op, args, kwargs, out) if is_view_op(op) else out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -595,7 +574,7 @@ def _default_dispatch(op, args, kwargs):
 
 def _ragged_chunks(dt: DTensor) -> list[_dcp.Chunk]:
     placements = dt.placements
-    m = rd.ragged_mesh_dim(placements)
+    m = ragged_mesh_dim(placements)
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError(f"cannot checkpoint a DTensor with Partial placements {placements}")
     box, offset = box_offset(dt.shape, dt.device_mesh, placements, dt.device_mesh.get_coordinate())
@@ -621,26 +600,27 @@ def _get_tensor_shard(self, index):
     return _dcp.find(self._local_tensor, _ragged_chunks(self), index, index.fqn)
 
 
-# The torch functions whose function objects are rebound (hooks 1, 2 and 4).
-_REBOUND = (
-    (dt_redistribute, "redistribute_local_tensor", _redistribute_local_tensor),
-    (dt_api, "distribute_tensor", _distribute_tensor),
-    (dt_api, "_dtensor_init_helper", _dtensor_init_helper),
-)
-
-register()
+# The hook of each torch function whose function object is rebound (hooks 1, 2 and 4).
+_REBOUND = {
+    "redistribute_local_tensor": _redistribute_local_tensor,
+    "distribute_tensor": _distribute_tensor,
+    "_dtensor_init_helper": _dtensor_init_helper,
+}
 
 
-# ----- torch.distributed.checkpoint.state_dict: full state dicts broadcast from rank 0 -------------------
-def install_state_dict_hook() -> None:
+# ---------------------------------------------------------------------------------------------------
+# 10. torch.distributed._state_dict_utils._distribute_tensors (full state dicts broadcast from rank 0)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _install_state_dict_hook() -> None:
     """Wrap ``torch.distributed._state_dict_utils._distribute_tensors`` (idempotent).
 
     ``set_model_state_dict(..., broadcast_from_rank0=True)`` broadcasts each full tensor, then copies
     the box torch computes for the placements into the local tensor; a RaggedShard local is a flat
-    range of that box, so it gets that range instead. Installed by ``torch_backend.fsdp._state_dict``.
+    range of that box, so it gets that range instead.
     """
-    import torch.distributed._state_dict_utils as sd_utils
-
+    sd_utils = state_dict_utils()
     original = getattr(sd_utils, "_distribute_tensors", None)
     if original is None or "_distribute_tensors" in _ORIGINAL:
         return  # a torch without this internal: broadcast_from_rank0 is torch's own business there
@@ -656,12 +636,14 @@ def install_state_dict_hook() -> None:
             local_state, full = local_state_dict[key]
             local = local_state.to_local()
             if not local_state.is_meta:
-                placement = next(p for p in local_state.placements if isinstance(p, RaggedShard))
-                mesh_dim = list(local_state.placements).index(placement)
-                start, stop = placement.core.ranges(tuple(full.shape))[local_state.device_mesh.get_local_rank(
-                    mesh_dim)]
+                m = ragged_mesh_dim(local_state.placements)
+                ranges = local_state.placements[m].core.ranges(tuple(full.shape))
+                start, stop = ranges[local_state.device_mesh.get_local_rank(m)]
                 local.copy_(full.reshape(-1)[start:stop])
             local_state_dict[key] = local_state
         original(local_state_dict, [k for k in keys if k not in ragged], device, pg)
 
     sd_utils._distribute_tensors = _distribute_tensors
+
+
+register()

@@ -5,7 +5,7 @@ placement exactly when running it on the flat locals is the same as running it o
 and slicing: elementwise ops (``torch.Tag.pointwise``, copies and fills, ``_foreach_*``, the fused
 optimizer kernels) whose tensor operands all share the placement and shape (0-d scalars
 are fine; a partial one, ``x / x.norm()``, is reduced first). Reductions to a scalar become a Partial.
-Reductions over dims run on the local's block view ``(blocks, *shape[k:])``: dims after the ragged
+Reductions over dims run on the local's sub-tensor view ``(n, *shape[k:])``: dims after the ragged
 prefix stay RaggedShard, dims inside it leave a Partial; a device holding nothing contributes the
 reduction's identity. Everything else raises ``UnsupportedRaggedOp`` naming the op and the placement.
 
@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.utils import _pytree as pytree
 
 import ragged
-from torch_backend.placement._placement import RaggedShard
+from torch_backend._torch_internals import mutates_self, pytree
+from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
 
 aten = torch.ops.aten
 
@@ -148,6 +148,14 @@ def _error(op, operand: Operand, why: str) -> UnsupportedRaggedOp:
     )
 
 
+def _ragged_dim_beside_replicate(op, operand: Operand, what: str) -> int:
+    """The ragged mesh dim of ``operand``, whose other mesh dims must be Replicate for ``what``."""
+    m = ragged_mesh_dim(operand.placements)
+    if any(not isinstance(p, Replicate) for i, p in enumerate(operand.placements) if i != m):
+        raise _error(op, operand, f"{what} supports Replicate beside the RaggedShard only")
+    return m
+
+
 def rule(op, args: Any, kwargs: dict[str, Any], out_shapes: Any) -> Rule:
     """The sharding rule of ``op`` for operands of which at least one holds a RaggedShard.
 
@@ -197,11 +205,6 @@ def _reduced(op, x: Operand, kind: Any) -> tuple[Placement, ...]:
         else:
             raise _error(op, x, f"cannot reduce a {p} placement")
     return tuple(out)
-
-
-def mutates_self(op) -> bool:
-    alias = op._schema.arguments[0].alias_info if op._schema.arguments else None
-    return bool(alias is not None and alias.is_write)
 
 
 def _elementwise(op, args, kwargs, ref: Operand, out_shapes) -> Rule:
@@ -282,12 +285,12 @@ def reduce(
 ) -> tuple[torch.Tensor, tuple[Any, ...], tuple[int, ...]]:
     """Run a reduction of ``REDUCTIONS_WITH_DIM`` on a RaggedShard local tensor.
 
-    Mechanism: with ``dims = (0..k-1)`` the local is ``nb`` whole blocks, viewed as
+    Mechanism: with ``dims = (0..k-1)`` the local is ``nb`` whole sub-tensors, viewed as
     ``(nb, *shape[k:])``. Reducing only dims ``>= k`` runs on that view and keeps the RaggedShard
-    (same dims and units, on the output shape). Reducing every dim gives a scalar partial; a device
+    (same dims and local_units, on the output shape). Reducing every dim gives a scalar partial; a device
     that holds nothing contributes the reduction's identity (0 for sums, -inf for max, +inf for min
     and for norms of negative order, whose partials combine as ``sum(n_i ** p)``). Reducing some dim
-    ``< k`` places the local blocks in a tensor of the full shape filled with that identity and
+    ``< k`` places the local sub-tensors in a tensor of the full shape filled with that identity and
     reduces it: each device then holds a full-shaped partial result.
 
     Args:
@@ -306,9 +309,7 @@ def reduce(
         UnsupportedRaggedOp: for Shard/Partial beside the RaggedShard.
     """
     operand = Operand(shape, placements)
-    m = next(i for i, p in enumerate(placements) if isinstance(p, RaggedShard))
-    if any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i != m):
-        raise _error(op, operand, "reductions over dims support Replicate beside the RaggedShard only")
+    m = _ragged_dim_beside_replicate(op, operand, "reductions over dims")
     kind, order, dims, keepdim, dtype = _parse_reduction(op, args, kwargs, len(shape))
     core = placements[m].core
     k = len(core.dims)
@@ -411,7 +412,7 @@ def select_first(
 ) -> tuple[int, int, tuple[Placement, ...]]:
     """``x[index]`` (``select`` on dim 0) as a view of the flat local: (start, stop, output placements).
 
-    The selected block is one contiguous flat interval, so each device's part of it is a slice of its
+    The selected sub-tensor is one contiguous flat interval, so each device's part of it is a slice of its
     local tensor; the output is element-granular RaggedShard over those parts (one-hot for a 0-d
     result). This keeps HuggingFace's ``init.zeros_(weight[padding_idx])`` a local write.
 
@@ -420,19 +421,17 @@ def select_first(
         IndexError: (on every rank) for an index out of range.
     """
     operand = Operand(shape, placements)
-    m = next(i for i, p in enumerate(placements) if isinstance(p, RaggedShard))
-    if any(not isinstance(p, Replicate) for i, p in enumerate(placements) if i != m):
-        raise _error(op, operand, "select supports Replicate beside the RaggedShard only")
+    m = _ragged_dim_beside_replicate(op, operand, "select")
     if not -shape[0] <= index < shape[0]:
         raise IndexError(f"index {index} is out of bounds for dimension 0 with size {shape[0]}")
-    block = math.prod(shape[1:])
-    lo = (index % shape[0]) * block
+    row = math.prod(shape[1:])  # elements of x[index]
+    lo = (index % shape[0]) * row
     ranges = placements[m].core.ranges(shape)
-    parts = [max(0, min(b, lo + block) - max(a, lo)) for a, b in ranges]
+    parts = [max(0, min(b, lo + row) - max(a, lo)) for a, b in ranges]
     out_dims = tuple(range(len(shape) - 1))
     a, b = ranges[rank]
-    start, stop = min(max(lo - a, 0), b - a), min(max(lo + block - a, 0), b - a)
-    if block == 0:
+    start, stop = min(max(lo - a, 0), b - a), min(max(lo + row - a, 0), b - a)
+    if row == 0:
         return start, stop, tuple(Replicate() if i == m else p for i, p in enumerate(placements))
     out = RaggedShard(out_dims, parts) if out_dims else RaggedShard((), [int(n > 0) for n in parts])
     return start, stop, tuple(out if i == m else p for i, p in enumerate(placements))

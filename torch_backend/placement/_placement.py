@@ -3,7 +3,7 @@
 The placement is a thin torch-side twin of the core :class:`ragged.RaggedShard`: it carries the same
 ``dims`` and ``local_units`` and asks the core for every range, validation and plan. On its mesh dim,
 device ``i``'s local tensor is the flat 1-D slice ``[start_i, end_i)`` of the global tensor's row-major
-storage (empty for a zero unit).
+storage (empty for zero blocks).
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ import ragged
 
 
 class RaggedShard(Placement):
-    """A DTensor placement that holds ``local_units[i]`` equal units of the flattened tensor on device ``i``.
+    """A DTensor placement that holds ``local_units[i]`` equal blocks of the flattened tensor on device ``i``.
 
-    The tensor is cut into ``sum(local_units)`` equal units along its flattened row-major storage;
-    a unit never splits a block of ``prod(shape[len(dims):])`` elements (so ``dims=(0,)`` keeps rows
-    whole, ``dims=tuple(range(ndim))`` is element granularity and ``dims=()`` with one-hot units puts
-    the whole tensor on one device). The local tensor is always 1-D.
+    The tensor is cut into ``sum(local_units)`` equal blocks along its flattened row-major storage
+    (veScale's name ``local_units`` counts blocks); a block is a whole number of sub-tensors of
+    ``prod(shape[len(dims):])`` elements (so ``dims=(0,)`` keeps rows whole, ``dims=tuple(range(ndim))``
+    is element granularity and ``dims=()`` with one-hot blocks puts the whole tensor on one device).
+    The local tensor is always 1-D.
 
     Args:
         dims: a prefix ``(0, ..., k-1)`` of the tensor's dims.
-        local_units: the number of units on each device of the mesh dim (zeros and uneven allowed).
+        local_units: the number of blocks on each device of the mesh dim (zeros and uneven allowed).
 
     Raises:
         ragged.PlacementError: if ``dims`` is not a prefix or ``local_units`` is empty, negative or all zero.
@@ -39,7 +40,7 @@ class RaggedShard(Placement):
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int]) -> None:
         super().__init__()
-        # The core validates (prefix dims, non-negative units, nonzero sum) at construction.
+        # The core validates (prefix dims, non-negative counts, nonzero sum) at construction.
         self._core = ragged.RaggedShard(tuple(dims), tuple(local_units))
 
     @property
@@ -61,7 +62,7 @@ class RaggedShard(Placement):
 
     @staticmethod
     def whole_on(root: int, world_size: int) -> RaggedShard:
-        """One device (``root``) holds the whole tensor: ``dims=()`` with one-hot units."""
+        """One device (``root``) holds the whole tensor: ``dims=()`` with one-hot blocks."""
         return RaggedShard.from_core(ragged.RaggedShard.whole_on(root, world_size))
 
     def __eq__(self, other: object) -> bool:
@@ -79,3 +80,18 @@ class RaggedShard(Placement):
     def __reduce__(self):
         # Placements travel through pickling (DCP metadata, spawn workers); rebuild from the two fields.
         return (RaggedShard, (self.dims, self.local_units))
+
+
+def ragged_mesh_dim(placements: Sequence[Placement], name: str = "tensor") -> int | None:
+    """The mesh dim that holds a RaggedShard (``None`` if none).
+
+    Raises:
+        ragged.PlacementError: if more than one mesh dim holds a RaggedShard.
+    """
+    found = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
+    if len(found) > 1:
+        raise ragged.PlacementError(
+            f"{name}: placements {tuple(placements)} put a RaggedShard on mesh dims {found}; a tensor "
+            "may be ragged-sharded on one mesh dim only (use Shard or Replicate on the others)"
+        )
+    return found[0] if found else None

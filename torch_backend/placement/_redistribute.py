@@ -23,15 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 import ragged
-from torch_backend._collectives import all_to_all, side_stream
-from torch_backend.placement._placement import RaggedShard
+from torch_backend._collectives import all_gather_flat, all_to_all, reduce_scatter_flat, side_stream
+from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
 
 Shape = tuple[int, ...]
-
-# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (deprecated there) to *_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# (same rename) (deprecated there) to reduce_scatter_single.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -39,21 +34,6 @@ _REDUCE_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-
-
-def ragged_mesh_dim(placements: Sequence[Placement], name: str = "tensor") -> int | None:
-    """The mesh dim that holds a RaggedShard (``None`` if none).
-
-    Raises:
-        ragged.PlacementError: if more than one mesh dim holds a RaggedShard.
-    """
-    found = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
-    if len(found) > 1:
-        raise ragged.PlacementError(
-            f"{name}: placements {tuple(placements)} put a RaggedShard on mesh dims {found}; a tensor "
-            "may be ragged-sharded on one mesh dim only (use Shard or Replicate on the others)"
-        )
-    return found[0] if found else None
 
 
 def validate(
@@ -73,7 +53,7 @@ def validate(
         name: the tensor's name for error messages.
 
     Raises:
-        ragged.PlacementError: two RaggedShards, a wrong number of units, or units that cut a block.
+        ragged.PlacementError: two RaggedShards, a wrong number of blocks, or blocks that cut a sub-tensor.
     """
     if len(placements) != mesh.ndim:
         raise ragged.PlacementError(
@@ -224,7 +204,7 @@ def _gather(
     sizes = [sum(b - a for a, b in h) for h in src_h]
     holders = [i for i, n in enumerate(sizes) if n]
     if len(holders) == 1 and sizes[holders[0]] == numel:
-        # One device holds everything (one-hot units): a broadcast moves numel, not world * numel.
+        # One device holds everything (one-hot blocks): a broadcast moves numel, not world * numel.
         out = flat.clone() if sizes[rank] else flat.new_empty(numel)
         dist.broadcast(out, group=group, group_src=holders[0])
         return out
@@ -232,7 +212,7 @@ def _gather(
     padded = flat.new_zeros(pad)
     padded[: flat.numel()] = flat
     gathered = flat.new_empty(world * pad)
-    _all_gather_single(gathered, padded, group=group)
+    all_gather_flat(gathered, padded, group=group)
     out = flat.new_empty(numel)
     for s, intervals in enumerate(src_h):
         pos = s * pad
@@ -260,7 +240,7 @@ def _reduce_scatter(
     for i, (a, b) in enumerate(ranges):
         send[i * pad : i * pad + b - a] = flat[a:b]
     recv = flat.new_empty(pad)
-    _reduce_scatter_single(recv, send, op=_REDUCE_OPS[src.reduce_op], group=group)
+    reduce_scatter_flat(recv, send, op=_REDUCE_OPS[src.reduce_op], group=group)
     a, b = ranges[rank]
     out = recv[: b - a]
     if src.reduce_op == "avg":
@@ -354,13 +334,13 @@ def _box_local(src: tuple[Placement, ...], dst: tuple[Placement, ...], m: int) -
 def infer_global_numel(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> int:
     """The global numel of ``from_local`` without ``shape``: the flat 1-D tensor the locals tile.
 
-    Mechanism: a device with ``u > 0`` units knows the unit size (``local.numel() / u``); when some
-    device has zero units every device of the mesh dim takes the max over the group (all devices know
-    the units, so all of them join the same collective). Shard(0) on other mesh dims sums the boxes.
+    Mechanism: a device with ``n > 0`` blocks knows the block size (``local.numel() / n``); when some
+    device has zero blocks every device of the mesh dim takes the max over the group (all devices know
+    ``local_units``, so all of them join the same collective). Shard(0) on other mesh dims sums the boxes.
 
     Raises:
         ragged.PlacementError: if the RaggedShard has more than one dim (no 1-D shape fits it) or the
-            local numel is not a multiple of this device's units.
+            local numel is not a multiple of this device's block count.
     """
     m = ragged_mesh_dim(placements)
     core = placements[m].core
@@ -370,18 +350,18 @@ def infer_global_numel(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[
             "a flat local tensor (only a 1-D shape can); pass shape= and stride="
         )
     rank = mesh.get_local_rank(m)
-    units = core.local_units[rank]
-    if units and local.numel() % units:
+    blocks = core.local_units[rank]
+    if blocks and local.numel() % blocks:
         raise ragged.PlacementError(
             f"from_local: local numel {local.numel()} is not a multiple of this device's "
-            f"{units} units (local_units={core.local_units})"
+            f"{blocks} blocks (local_units={core.local_units})"
         )
-    unit = local.numel() // units if units else 0
+    block = local.numel() // blocks if blocks else 0
     if 0 in core.local_units:
-        t = torch.tensor([unit], dtype=torch.int64, device=local.device)
+        t = torch.tensor([block], dtype=torch.int64, device=local.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(m))
-        unit = int(t.item())
-    numel = unit * sum(core.local_units)
+        block = int(t.item())
+    numel = block * sum(core.local_units)
     for j, p in enumerate(placements):
         if j != m and isinstance(p, Shard):
             t = torch.tensor([numel], dtype=torch.int64, device=local.device)
@@ -405,7 +385,7 @@ def check_local_numel(
         [local.numel(), placements[m].core.local_numel(box, rank)], dtype=torch.int64, device=mesh.device_type
     )
     every = mine.new_empty(mesh.size(m) * 2)
-    _all_gather_single(every, mine, group=mesh.get_group(m))
+    all_gather_flat(every, mine, group=mesh.get_group(m))
     pairs = every.view(-1, 2).tolist()
     wrong = {r: (got, want) for r, (got, want) in enumerate(pairs) if got != want}
     anywhere = torch.tensor([len(wrong)], dtype=torch.int64, device=mesh.device_type)
@@ -413,9 +393,9 @@ def check_local_numel(
         if j != m:
             dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=mesh.get_group(j))
     if wrong or anywhere.item():
-        where = ", ".join(f"index {r} has {a} elements, its units give {b}" for r, (a, b) in wrong.items())
+        where = ", ".join(f"index {r} has {a} elements, its blocks give {b}" for r, (a, b) in wrong.items())
         where = where or "a rank on another slice of the mesh has a local of the wrong size"
         raise ragged.PlacementError(
             f"from_local: local tensors do not match {placements[m]} of shape {tuple(shape)} on mesh dim {m} "
-            f"({where}); build each rank's local as the flat slice its units give it"
+            f"({where}); build each rank's local as the flat slice its blocks give it"
         )

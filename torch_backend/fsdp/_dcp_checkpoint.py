@@ -1,4 +1,4 @@
-"""Checkpoints of a sharded model (and its optimizer) through torch.distributed.checkpoint.
+"""DCP checkpoints of a sharded model (and its optimizer): torch.distributed.checkpoint's own format.
 
 Every rank saves its local shards as they are: the sharded parameters and the optimizer state are
 RaggedShard DTensors whose chunk metadata (``_dcp``) tells DCP which regular boxes of each global tensor
@@ -7,6 +7,7 @@ the new local shards. Keys are ``model.<fqn>`` and ``optim.<fqn>.<state>``.
 
 A checkpoint is written to ``<path>.partial`` and renamed to ``<path>`` only once every rank has written
 its part, so a run that dies while saving leaves the previous complete checkpoint as the latest.
+Failures raise the core's ``ragged.CheckpointError`` (the one checkpoint error of every format).
 """
 
 from __future__ import annotations
@@ -21,20 +22,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torch_backend.fsdp._fully_shard import _states
-from torch_backend.placement._dtensor_hooks import install_state_dict_hook
-
-install_state_dict_hook()  # set_model_state_dict(..., broadcast_from_rank0=True) on RaggedShard
-
-
-class CheckpointError(RuntimeError):
-    """Saving or loading a checkpoint failed; the message names the path and the step that failed."""
+from ragged import CheckpointError
+from torch_backend.fsdp._fully_shard import units
+from torch_backend.placement import make_dtensor
 
 
 def _resharded(model: nn.Module) -> None:
-    for state in _states(model):
-        if state.unit is not None:
-            state.unit.reshard()  # the modules then hold the sharded parameters
+    for unit in units(model):
+        unit.reshard()  # the modules then hold the sharded parameters
 
 
 def sharded_state_dict(model: nn.Module,
@@ -51,8 +46,8 @@ def sharded_state_dict(model: nn.Module,
     return out
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> None:
+def save_dcp_checkpoint(path: str | os.PathLike, model: nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
     """Save ``model`` (and ``optimizer``) to the directory ``path`` from every rank, atomically.
 
     Raises:
@@ -61,8 +56,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     """
     path = Path(path)
     if path.exists():
-        raise CheckpointError(f"save_checkpoint: checkpoint {str(path)!r} exists already; save to a new "
-                              "directory")
+        raise CheckpointError(f"save_dcp_checkpoint: checkpoint {str(path)!r} exists already; save to a "
+                              "new directory")
     partial = path.with_name(path.name + ".partial")
     rank = dist.get_rank()
     try:
@@ -76,13 +71,13 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
             os.rename(partial, path)
         dist.barrier()
     except Exception as e:
-        raise CheckpointError(f"save_checkpoint: writing checkpoint {str(path)!r} failed on rank {rank}: "
-                              f"{e}") from e
+        raise CheckpointError(f"save_dcp_checkpoint: writing checkpoint {str(path)!r} failed on rank "
+                              f"{rank}: {e}") from e
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a ``save_checkpoint`` checkpoint (of any world size) in place into ``model``'s local shards.
+def load_dcp_checkpoint(path: str | os.PathLike, model: nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a ``save_dcp_checkpoint`` checkpoint (of any world size) in place into ``model``'s local shards.
 
     The optimizer's per-parameter state is created with the parameters' placements (tensors shaped like
     the parameter) or as plain scalars, then filled from the checkpoint; its hyperparameters are the ones
@@ -93,7 +88,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     """
     path = Path(path)
     if not (path / ".metadata").exists():
-        raise CheckpointError(f"load_checkpoint: {str(path)!r} is not a complete checkpoint (no .metadata)")
+        raise CheckpointError(f"load_dcp_checkpoint: {str(path)!r} is not a complete checkpoint "
+                              "(no .metadata)")
     try:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         target = sharded_state_dict(model)
@@ -108,8 +104,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         dcp.load(target, checkpoint_id=str(path))
     except Exception as e:
         rank = dist.get_rank()
-        raise CheckpointError(f"load_checkpoint: reading checkpoint {str(path)!r} failed on rank {rank}: "
-                              f"{e}") from e
+        raise CheckpointError(f"load_dcp_checkpoint: reading checkpoint {str(path)!r} failed on rank "
+                              f"{rank}: {e}") from e
     for key, (p, name) in fresh.items():
         optimizer.state[p][name] = target[key]
 
@@ -118,6 +114,5 @@ def _like(param: nn.Parameter, size: tuple[int, ...]) -> torch.Tensor:
     """A zero destination for a saved optimizer tensor: the parameter's placement, or a plain scalar."""
     if size == tuple(param.shape) and isinstance(param, DTensor):
         local = torch.zeros_like(param.to_local())
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return make_dtensor(local, param.device_mesh, param.placements, param.shape)
     return torch.zeros(size, dtype=torch.float32)
