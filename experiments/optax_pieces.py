@@ -54,7 +54,7 @@ def main() -> None:
     runs = {}
     for name, make in RECIPES.items():
         fsdp, opt = shard_model(model, mesh, units="blocks.*", remat=True), make()
-        buffers = fsdp.shard(model)
+        buffers = fsdp.shard_params(model)
         state = fsdp.init(opt, buffers)
         compiled = fsdp.train_step(opt, moe_loss).lower(buffers, state, x, y).compile()
         mem = compiled.memory_analysis()

@@ -35,7 +35,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-from jax_backend._buffers import LayoutMismatchError, unshard_params
+from jax_backend._buffers import LayoutMismatchError, full_params
 from jax_backend._names import fqn
 from jax_backend._pieces import CALLS, ELEMENTWISE, Evaluator, Fill, Piece, UnsupportedOptimizerError, windows
 from ragged import Layout
@@ -90,7 +90,7 @@ class ShardedState(NamedTuple):
 
     ``tx.init(full params)``'s leaves, stored as the FSDP step keeps them: each state subtree that
     mirrors the params (one *slot*: Adam's ``mu``, a masked ``nu``) as ``{unit: (S,)}`` shards laid out like
-    the unit buffers (zeros where a parameter has no leaf in the slot), so ``unshard_params`` gives its
+    the unit buffers (zeros where a parameter has no leaf in the slot), so ``full_params`` gives its
     tensors by FQN; every other leaf as it is, replicated.
     """
 
@@ -272,11 +272,11 @@ def check_optimizer(tx: optax.GradientTransformation, layouts: Sequence[Layout],
     shard_optimizer(tx, layouts, None, params)
 
 
-def unshard_state(tx: optax.GradientTransformation, state: Any, layouts: Sequence[Layout],
+def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: Sequence[Layout],
                   params: Any = None) -> Any:
     """The FSDP step's optimizer state as optax keeps it on the full params: ``tx.init(params)``'s pytree.
 
-    Per-parameter leaves come back whole (``unshard_params`` of their slot: static slices, exact); step
+    Per-parameter leaves come back whole (``full_params`` of their slot: static slices, exact); step
     counts and norms as they are. For checkpoints of the optimizer state and for reading what a
     transformation logged in its state (a global norm, say).
 
@@ -297,11 +297,11 @@ def unshard_state(tx: optax.GradientTransformation, state: Any, layouts: Sequenc
         flat = {key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
         shards = [{lay.name: flat[key((*prefix, jax.tree_util.DictKey(lay.name)))] for lay in layouts}
                   for prefix in traced.prefixes]
-    # every slot's units in one unshard_params (one program): each slot's Layouts renamed "slot/name"
+    # every slot's units in one full_params (one program): each slot's Layouts renamed "slot/name"
     units = {lay.name: lay for lay in layouts}
     renamed = [units[u].renamed(tuple(f"{k}/{t.name}" for t in units[u].tensors), f"{k}/{u}")
                for k, slot in enumerate(shards) for u in slot]
-    full = unshard_params({f"{k}/{u}": b for k, slot in enumerate(shards) for u, b in slot.items()}, renamed)
+    full = full_params({f"{k}/{u}": b for k, slot in enumerate(shards) for u, b in slot.items()}, renamed)
     slots = [{name: full[f"{k}/{name}"] for name in traced.names if f"{k}/{name}" in full}
              for k in range(len(shards))]
     leaves = []

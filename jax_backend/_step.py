@@ -35,14 +35,14 @@ from jax_backend._buffers import (
     LayoutMismatchError,
     buffer_sharding,
     check_mesh,
+    full_params,
     pack_unit,
     shard_params,
     unpack_unit,
-    unshard_params,
 )
 from jax_backend._compat import shard_map
 from jax_backend._names import flatten_params
-from jax_backend._optax import shard_optimizer, state_specs, unshard_state
+from jax_backend._optax import full_optimizer_state, shard_optimizer, state_specs
 from ragged import Layout
 
 
@@ -234,10 +234,10 @@ class FSDP:
         return shard_optimizer(optimizer, self.layouts, self.axis,
                                self.model.tree if self.model is not None else None)
 
-    def unshard_state(self, optimizer: optax.GradientTransformation, state: Any) -> Any:
-        """The step's state of ``optimizer`` as optax keeps it on the full params (see ``unshard_state``)."""
-        return unshard_state(optimizer, state, self.layouts,
-                             self.model.tree if self.model is not None else None)
+    def full_optimizer_state(self, optimizer: optax.GradientTransformation, state: Any) -> Any:
+        """The step's state of ``optimizer`` as optax keeps it on the full params."""
+        return full_optimizer_state(optimizer, state, self.layouts,
+                                    self.model.tree if self.model is not None else None)
 
     def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
         """The shard_map specs of ``optimizer``'s state (``optimizer`` as ``shard_optimizer`` returns it)."""
@@ -246,7 +246,7 @@ class FSDP:
         return state_specs(jax.eval_shape(init, buffers), self.axis)
 
     # ----- buffers -----------------------------------------------------------------------------------
-    def shard(self, params: Any) -> dict[str, jax.Array]:
+    def shard_params(self, params: Any) -> dict[str, jax.Array]:
         """Full parameters -> sharded unit buffers (see ``shard_params``).
 
         ``params``: ``{fqn: array}``, or (with ``shard_model``) the NNX module or the params pytree.
@@ -255,9 +255,9 @@ class FSDP:
             params = self.model.flatten(params)
         return shard_params(params, self.layouts, self.mesh, self.axis)
 
-    def unshard(self, buffers: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """Sharded unit buffers -> full ``{fqn: array}`` (see ``unshard_params``)."""
-        return unshard_params(buffers, self.layouts)
+    def full_params(self, buffers: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Sharded unit buffers -> full ``{fqn: array}`` (see ``full_params``)."""
+        return full_params(buffers, self.layouts)
 
     def init(self, optimizer: optax.GradientTransformation, buffers: Mapping[str, jax.Array]) -> Any:
         """``optimizer.init`` on the local shards (``shard_optimizer``): the optimizer state of the step."""

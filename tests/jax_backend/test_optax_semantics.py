@@ -140,7 +140,7 @@ def test_elementwise_recipes_on_shards_equal_unsharded_optax(recipe, config, ref
     tx, sharded_tx = _pair(recipe)
     want, state = references[recipe]
 
-    buffers = fsdp.shard(params)
+    buffers = fsdp.shard_params(params)
     opt_state = fsdp.init(sharded_tx, buffers)
     sharded_tx = fsdp.shard_optimizer(sharded_tx)  # itself, but for adafactor: that runs on the pieces
     specs = (fsdp._buffer_specs(), fsdp._state_specs(sharded_tx))
@@ -158,7 +158,7 @@ def test_elementwise_recipes_on_shards_equal_unsharded_optax(recipe, config, ref
         assert rel_err(got[n], want[n]) <= 1e-6, (n, rel_err(got[n], want[n]))
         assert not np.allclose(np.asarray(got[n]), np.asarray(params[n])), f"{n} did not move"
     if recipe == "adamw" and config == "hsdp2x2":  # the flat-shard state, as optax keeps it on the pytree
-        full = fsdp.unshard_state(tx, opt_state)
+        full = fsdp.full_optimizer_state(tx, opt_state)
         assert jax.tree.structure(full) == jax.tree.structure(state)
         assert all(rel_err(x, y) <= 1e-6 for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(state)))
 
@@ -167,7 +167,7 @@ def test_elementwise_recipes_on_shards_equal_unsharded_optax(recipe, config, ref
 def test_global_norm_of_shards_equals_optax_global_norm(config):
     fsdp, (params, _) = _fsdp(config), _data(0)
     norm = jax.jit(shard_map(lambda b: global_norm(b, fsdp.axis), fsdp.mesh, in_specs=(fsdp._buffer_specs(),),
-                             out_specs=jax.sharding.PartitionSpec()))(fsdp.shard(params))
+                             out_specs=jax.sharding.PartitionSpec()))(fsdp.shard_params(params))
     assert rel_err(norm, optax.tree.norm(params)) <= 1e-6  # optax.global_norm, renamed
 
 
@@ -196,7 +196,7 @@ UNSUPPORTED = {
 def test_unsupported_recipes_raise_before_the_first_step(recipe, config):
     make, match = UNSUPPORTED[recipe]
     fsdp = _fsdp(config)
-    buffers = fsdp.shard(_data(0)[0])
+    buffers = fsdp.shard_params(_data(0)[0])
     with pytest.raises(UnsupportedOptimizerError, match=match):
         fsdp.init(make(), buffers)
     with pytest.raises(UnsupportedOptimizerError, match=match):
@@ -209,7 +209,7 @@ def test_layout_aware_optimizers_pass_only_when_marked():
     layout = ragged.plan([ragged.TensorSpec("w", (64, 32), "tiles:32x32")], 4, name="unit")
     fsdp = FSDP(make_mesh((4,), ("fsdp",)), (layout,), (Stage("unit", lambda p, h: h),))
     tx = adamw8bit(1e-3, blocks=shard_blocks(fsdp.layouts, fsdp.axis))
-    buffers = fsdp.shard({"w": jnp.ones((64, 32))})
+    buffers = fsdp.shard_params({"w": jnp.ones((64, 32))})
     with pytest.raises(UnsupportedOptimizerError, match=r"blocks are given for the units.*on_shards\(tx\)"):
         fsdp.init(tx, buffers)
     state = fsdp.init(on_shards(tx), buffers)
@@ -272,7 +272,7 @@ def test_pytree_recipes_equal_unsharded_optax(recipe, mesh_key, pytree_reference
     """``FSDP.shard_optimizer``'s init and three updates inside ``shard_map`` (one program: a scan) equal
     optax on the full params pytree within 1e-6 relative (reductions sum in another order): the params
     per tensor and the state's replicated leaves (step counts, the logged global norm: over every shard
-    and replica) at every mesh, the whole state (``unshard_state``) at HSDP 2 x 4."""
+    and replica) at every mesh, the whole state (``full_optimizer_state``) at HSDP 2 x 4."""
     shape, names = MODEL_MESHES[mesh_key]
     params = mlp_params()
     fsdp = shard_model(mlp_apply, make_mesh(shape, names), params=params,
@@ -300,7 +300,7 @@ def test_pytree_recipes_equal_unsharded_optax(recipe, mesh_key, pytree_reference
         assert norms[0] > CLIP and norms[1] > CLIP and norms[2] < CLIP
         assert rel_err(optax.tree_utils.tree_get(want_state, "norm"), norms[-1]) <= 1e-6
     if mesh_key == "2x4":
-        got_state = fsdp.unshard_state(tx, state)
+        got_state = fsdp.full_optimizer_state(tx, state)
         assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
         for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
             assert rel_err(a, b) <= 1e-6
@@ -315,7 +315,7 @@ def test_pytree_recipe_trains_the_model_like_single_device():
     fsdp = shard_model(mlp_apply, make_mesh((2, 4), ("replica", "fsdp")), params=mlp_params(),
                        units=[f"layers.{i}" for i in range(BLOCKS)], replica_axis="replica")
     opt = make()
-    buffers = fsdp.shard(mlp_params())
+    buffers = fsdp.shard_params(mlp_params())
     state, losses = fsdp.init(opt, buffers), []
     step = fsdp.train_step(opt, mlp_loss).lower(buffers, state, data[0, :, :-1], data[0, :, 1:])
     step = step.compile(QUICK)
