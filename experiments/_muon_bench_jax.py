@@ -61,7 +61,7 @@ import ragged  # noqa: E402
 from experiments._hlo import collective_bytes, memory  # noqa: E402
 from experiments._muon_case import LR, MOMENTUM, matrices  # noqa: E402
 from experiments._muon_case import layouts as plan_layouts  # noqa: E402
-from jax_backend import make_mesh, shard_map, shard_params, unshard_params  # noqa: E402
+from jax_backend import full_params, make_mesh, shard_map, shard_params  # noqa: E402
 from jax_backend.optim import muon_plan, newton_schulz, scale_by_muon  # noqa: E402
 
 AXIS = "fsdp"
@@ -90,7 +90,7 @@ def prepare_ours(layouts, mesh, in_flight, ns_dtype, fulls, grads) -> dict:
     state = jax.jit(shard_map(opt.init, mesh, in_specs=(spec,), out_specs=state_spec))(params)
     return dict(step=step, params=params, state=state,
                 grads=[shard_params(g, layouts, mesh, AXIS) for g in grads],
-                full=lambda p: unshard_params(p, layouts))
+                full=lambda p: full_params(p, layouts))
 
 
 def prepare_gspmd(mesh, ns_dtype, fulls, grads) -> dict:

@@ -130,13 +130,13 @@ def jax_main(world_size: int, steps: int, init: Path, workdir: Path) -> None:
     import optax
     from flax import nnx
 
-    from jax_backend import load_params, make_mesh, save_checkpoint
+    from jax_backend import load_neutral_params, make_mesh, save_neutral_checkpoint
     from jax_backend.models import Llama, cross_entropy, parallelize
 
     mesh = make_mesh((world_size,), ("fsdp",))
     fsdp = parallelize(Llama(rngs=nnx.Rngs(SEED)), mesh)
     opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
-    buffers = fsdp.shard(load_params(init))
+    buffers = fsdp.shard_params(load_neutral_params(init))
     state = fsdp.init(opt, buffers)
     step_fn = fsdp.train_step(opt, cross_entropy)
     losses = []
@@ -144,7 +144,7 @@ def jax_main(world_size: int, steps: int, init: Path, workdir: Path) -> None:
         x, y = batch(step)
         buffers, state, loss = step_fn(buffers, state, x, y)
         losses.append(float(loss))
-    save_checkpoint(workdir / "jax_final", buffers, fsdp.layouts)
+    save_neutral_checkpoint(workdir / "jax_final", buffers, fsdp.layouts)
     (workdir / "jax_losses.json").write_text(json.dumps(losses))
 
 
@@ -159,9 +159,9 @@ def jax_fsdp(world_size: int, steps: int, init: Path, workdir: Path) -> list[flo
 
 # ----- report ------------------------------------------------------------------------------------------
 def max_relative_difference(a: Path, b: Path) -> float:
-    from ragged import load_checkpoint
+    from ragged import load_neutral_checkpoint
 
-    ta, tb = load_checkpoint(a).tensors, load_checkpoint(b).tensors
+    ta, tb = load_neutral_checkpoint(a).tensors, load_neutral_checkpoint(b).tensors
     worst = 0.0
     for name in ta:
         x, y = ta[name].bits.astype(np.float64), tb[name].bits.astype(np.float64)

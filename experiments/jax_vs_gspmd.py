@@ -113,7 +113,7 @@ def prepare_ours(model, loss_fn, batches, opt, *, remat: bool = False, granulari
         fsdp = parallelize(model, mesh, remat=remat, granularity=granularity)
     else:  # what a user writes for their own model
         fsdp = shard_model(model, mesh, units="blocks.*", remat=remat, granularity=granularity)
-    buffers = fsdp.shard(model)
+    buffers = fsdp.shard_params(model)
     state = fsdp.init(opt, buffers)
     b = batches[0]
     t0 = time.perf_counter()

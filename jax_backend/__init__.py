@@ -8,21 +8,24 @@ from jax_backend._buffers import (
     LayoutMismatchError,
     check_mesh,
     check_params,
+    full_params,
     pack_unit,
     shard_params,
     unpack_unit,
-    unshard_params,
 )
-from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
+from jax_backend._checkpoint import load_neutral_checkpoint, load_neutral_params, save_neutral_checkpoint
 from jax_backend._compat import make_mesh, shard_map
 from jax_backend._model import UnitError, fully_shard, shard_model
 from jax_backend._names import flatten_params, fqn
 from jax_backend._optax import (
+    ShardedState,
     UnsupportedOptimizerError,
     check_optimizer,
     clip_by_global_norm,
+    full_optimizer_state,
     global_norm,
     on_shards,
+    shard_optimizer,
 )
 from jax_backend._redistribute import gather_tensor, scatter_tensor
 from jax_backend._step import FSDP, MixedPrecisionPolicy, Stage, Units, gather_unit
@@ -31,6 +34,7 @@ __all__ = [
     "FSDP",
     "LayoutMismatchError",
     "MixedPrecisionPolicy",
+    "ShardedState",
     "Stage",
     "UnitError",
     "Units",
@@ -45,16 +49,18 @@ __all__ = [
     "gather_tensor",
     "gather_unit",
     "global_norm",
-    "load_checkpoint",
-    "load_params",
+    "load_neutral_checkpoint",
+    "load_neutral_params",
     "make_mesh",
     "on_shards",
     "pack_unit",
-    "save_checkpoint",
+    "save_neutral_checkpoint",
     "scatter_tensor",
     "shard_map",
     "shard_model",
+    "shard_optimizer",
     "shard_params",
     "unpack_unit",
-    "unshard_params",
+    "full_params",
+    "full_optimizer_state",
 ]

@@ -153,7 +153,7 @@ def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mes
     return {lay.name: out[lay.name] for lay in layouts}  # in unit order (jit sorts dict keys)
 
 
-def unshard_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> dict[str, jax.Array]:
+def full_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> dict[str, jax.Array]:
     """``{unit: buffer}`` -> full parameters ``{fqn: array}`` in Layout order (static slices only)."""
     missing = [layout.name for layout in layouts if layout.name not in buffers]
     if missing:

@@ -1,4 +1,4 @@
-"""Checkpoints of unit buffers in the framework-neutral format (``ragged.save_checkpoint``).
+"""Checkpoints of unit buffers in the framework-neutral format (``ragged.save_neutral_checkpoint``).
 
 Saving unshards every unit buffer into full tensors by FQN (static slices, no arithmetic) and writes them
 with the Layouts; loading reads the full tensors and shards them with the caller's Layouts, which may be
@@ -20,36 +20,37 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 import ragged
-from jax_backend._buffers import shard_params, unshard_params
+from jax_backend._buffers import full_params, shard_params
 from ragged import Layout
 
 
-def save_checkpoint(path: str | os.PathLike, buffers: Mapping[str, jax.Array], layouts: Sequence[Layout], *,
-                    meta: Mapping[str, Any] | None = None, overwrite: bool = False) -> Path:
+def save_neutral_checkpoint(path: str | os.PathLike, buffers: Mapping[str, jax.Array],
+                            layouts: Sequence[Layout], *, meta: Mapping[str, Any] | None = None,
+                            overwrite: bool = False) -> Path:
     """Write the unit buffers as full tensors by FQN, plus ``layouts``.
 
     Every process must call it (unsharding gathers across processes); only process 0 writes.
 
     Raises:
-        ragged.CheckpointError: as ``ragged.save_checkpoint``; LayoutMismatchError for missing units.
+        ragged.CheckpointError: as ``ragged.save_neutral_checkpoint``; LayoutMismatchError for missing units.
     """
-    full = unshard_params(buffers, layouts)
+    full = full_params(buffers, layouts)
     if jax.process_count() > 1:  # shards live on other hosts: gather them, every process takes part
         full = {k: multihost_utils.process_allgather(v, tiled=True) for k, v in full.items()}
     tensors = {name: np.asarray(jax.device_get(value)) for name, value in full.items()}
     if jax.process_index() != 0:
         return Path(path)
-    return ragged.save_checkpoint(path, tensors, layouts=layouts, meta={"framework": "jax", **(meta or {})},
-                                  overwrite=overwrite)
+    return ragged.save_neutral_checkpoint(path, tensors, layouts=layouts,
+                                          meta={"framework": "jax", **(meta or {})}, overwrite=overwrite)
 
 
-def load_params(path: str | os.PathLike) -> dict[str, np.ndarray]:
+def load_neutral_params(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """The checkpoint's full tensors ``{fqn: np.ndarray}`` in their stored dtypes (bf16 via ml_dtypes)."""
-    checkpoint = ragged.load_checkpoint(path)
+    checkpoint = ragged.load_neutral_checkpoint(path)
     return {name: t.bits.view(jnp.dtype(t.dtype)) for name, t in checkpoint.tensors.items()}
 
 
-def load_checkpoint(path: str | os.PathLike, layouts: Sequence[Layout], mesh: Mesh,
+def load_neutral_checkpoint(path: str | os.PathLike, layouts: Sequence[Layout], mesh: Mesh,
                     axis: str) -> dict[str, jax.Array]:
     """Read full tensors and shard them into unit buffers with ``layouts`` on ``mesh`` (any world size).
 
@@ -58,4 +59,4 @@ def load_checkpoint(path: str | os.PathLike, layouts: Sequence[Layout], mesh: Me
         LayoutMismatchError: the checkpoint's tensors differ from the Layouts' (named by FQN), or the mesh
             axis does not match the Layouts' world size.
     """
-    return shard_params(load_params(path), layouts, mesh, axis)
+    return shard_params(load_neutral_params(path), layouts, mesh, axis)

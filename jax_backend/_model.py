@@ -366,7 +366,7 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
     Example (NNX; the model may be abstract, from ``nnx.eval_shape``)::
 
         fsdp = shard_model(model, mesh, units="blocks.*", remat=True)
-        buffers = fsdp.init_params(lambda: MyModel(rngs=nnx.Rngs(0)))  # or fsdp.shard(model)
+        buffers = fsdp.init_params(lambda: MyModel(rngs=nnx.Rngs(0)))  # or fsdp.shard_params(model)
         step = fsdp.train_step(optax.adamw(1e-3), loss_fn)
 
     Pure function: ``shard_model(apply, mesh, params=params, units=["layers.0", "layers.1"])``.

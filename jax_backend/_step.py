@@ -6,8 +6,9 @@ used, ``all_gather(shard, tiled=True)`` rebuilds its flat buffer (in the compute
 its parameters, and its code runs (``Units``). The gather is a
 custom VJP whose backward is the unit's explicit ``psum_scatter(tiled=True)`` (in the reduce dtype),
 followed by a ``psum`` over the replica axis under HSDP, so each device ends with the gradient of exactly
-its own shard. The optax update then runs on the local shards: element-wise optimizers (Adam, AdamW, SGD)
-give the same result as on the full parameters, because padding stays zero (zero gradient, zero value).
+its own shard. The optax update then runs on the local shards with optax's result on the full params
+pytree (``shard_optimizer``: element-wise optimizers as they are, since padding stays zero; masks, labels
+and norms on each device's pieces of every parameter).
 
 Only the units in use are unsharded. With ``remat=True`` each stage is a custom VJP that keeps just the
 shard and the stage input: its backward gathers the unit again, runs the stage's VJP (recomputing its
@@ -34,14 +35,14 @@ from jax_backend._buffers import (
     LayoutMismatchError,
     buffer_sharding,
     check_mesh,
+    full_params,
     pack_unit,
     shard_params,
     unpack_unit,
-    unshard_params,
 )
 from jax_backend._compat import shard_map
 from jax_backend._names import flatten_params
-from jax_backend._optax import check_optimizer
+from jax_backend._optax import full_optimizer_state, shard_optimizer, state_specs
 from ragged import Layout
 
 
@@ -221,28 +222,31 @@ class FSDP:
     def _buffer_specs(self) -> dict[str, P]:
         return {lay.name: P(self.axis) for lay in self.layouts}
 
-    def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
-        """Per-element optimizer state is sharded like the buffers; scalars (step counts) are replicated.
+    def shard_optimizer(self, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``optimizer`` as the step runs it on the local shards, with optax's result on the full params.
 
-        Checks first that ``optimizer`` on flat shards equals optax on the full params (``check_optimizer``).
+        The params pytree optax sees is the user's (``shard_model``), else ``{fqn: array}``; see
+        ``jax_backend.shard_optimizer``.
+
+        Raises:
+            UnsupportedOptimizerError: a transformation the shards cannot honor, before anything runs.
         """
-        check_optimizer(optimizer, self.layouts)
-        local = {lay.name: jax.ShapeDtypeStruct((lay.shard_size,), jnp.float32) for lay in self.layouts}
+        return shard_optimizer(optimizer, self.layouts, self.axis,
+                               self.model.tree if self.model is not None else None)
 
-        def spec(path: Any, leaf: jax.ShapeDtypeStruct) -> P:
-            if leaf.ndim == 0:
-                return P()
-            if leaf.ndim == 1:
-                return P(self.axis)
-            raise LayoutMismatchError(
-                f"optimizer state leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}: only per-element "
-                "state (like Adam's moments) and scalars can live on flat shards"
-            )
+    def full_optimizer_state(self, optimizer: optax.GradientTransformation, state: Any) -> Any:
+        """The step's state of ``optimizer`` as optax keeps it on the full params."""
+        return full_optimizer_state(optimizer, state, self.layouts,
+                                    self.model.tree if self.model is not None else None)
 
-        return jax.tree_util.tree_map_with_path(spec, jax.eval_shape(optimizer.init, local))
+    def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
+        """The shard_map specs of ``optimizer``'s state (``optimizer`` as ``shard_optimizer`` returns it)."""
+        init = shard_map(optimizer.init, self.mesh, in_specs=(self._buffer_specs(),), out_specs=P())
+        buffers = {lay.name: jax.ShapeDtypeStruct((lay.total_numel,), jnp.float32) for lay in self.layouts}
+        return state_specs(jax.eval_shape(init, buffers), self.axis)
 
     # ----- buffers -----------------------------------------------------------------------------------
-    def shard(self, params: Any) -> dict[str, jax.Array]:
+    def shard_params(self, params: Any) -> dict[str, jax.Array]:
         """Full parameters -> sharded unit buffers (see ``shard_params``).
 
         ``params``: ``{fqn: array}``, or (with ``shard_model``) the NNX module or the params pytree.
@@ -251,12 +255,13 @@ class FSDP:
             params = self.model.flatten(params)
         return shard_params(params, self.layouts, self.mesh, self.axis)
 
-    def unshard(self, buffers: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        """Sharded unit buffers -> full ``{fqn: array}`` (see ``unshard_params``)."""
-        return unshard_params(buffers, self.layouts)
+    def full_params(self, buffers: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Sharded unit buffers -> full ``{fqn: array}`` (see ``full_params``)."""
+        return full_params(buffers, self.layouts)
 
     def init(self, optimizer: optax.GradientTransformation, buffers: Mapping[str, jax.Array]) -> Any:
-        """``optimizer.init`` on the local shards; the state is sharded like the buffers."""
+        """``optimizer.init`` on the local shards (``shard_optimizer``): the optimizer state of the step."""
+        optimizer = self.shard_optimizer(optimizer)
         specs = self._state_specs(optimizer)
         init = shard_map(optimizer.init, self.mesh, in_specs=(self._buffer_specs(),), out_specs=specs)
         return jax.jit(init)(dict(buffers))
@@ -302,7 +307,7 @@ class FSDP:
 
     def apply_optimizer(self, optimizer: optax.GradientTransformation, grads: dict, opt_state: Any,
                         local: dict) -> tuple[dict, Any]:
-        """The optax update on the local shards ``{unit: (S,)}`` (inside ``shard_map``).
+        """``optimizer`` (as ``shard_optimizer`` returns it) on the local shards ``{unit: (S,)}``.
 
         The seam for optimizers that need more than the flat shards: ``self.layouts`` (every tensor's
         offset in its unit) and ``self.model.tree`` / ``self.model.fqns`` (the user's param pytree).
@@ -320,10 +325,12 @@ class FSDP:
         averaged over devices and returned as a fourth output. ``buffers`` and ``opt_state`` are donated.
 
         Raises:
+            UnsupportedOptimizerError: an optimizer the shards cannot honor (``shard_optimizer``).
             LayoutMismatchError: optimizer state that is neither per-element nor scalar; a batch whose
                 dim 0 the data-parallel size does not divide (when the step is traced).
         """
         n = self.data_size
+        optimizer = self.shard_optimizer(optimizer)
 
         def local_step(local: dict, opt_state: Any, inputs: Any, targets: Any) -> tuple:
             def local_loss(bufs: dict) -> tuple[jax.Array, Any]:

@@ -6,7 +6,13 @@ plans, model shape presets and the baselines they are compared with.
 
 from ragged._advise import Advice, HsdpOption, advise
 from ragged._baselines import BASELINES, BaselineLayout, baseline_layouts
-from ragged._checkpoint import Checkpoint, CheckpointError, StoredTensor, load_checkpoint, save_checkpoint
+from ragged._checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    StoredTensor,
+    load_neutral_checkpoint,
+    save_neutral_checkpoint,
+)
 from ragged._drawing import LayoutDrawing, Picture, Segment, draw_layout, draw_plan, draw_side_by_side
 from ragged._errors import GranularityError, PlacementError, PlanningError, RaggedError
 from ragged._granularity import Granularity, block_numel, granularity_for
@@ -100,7 +106,7 @@ __all__ = [
     "gib",
     "trained_llama",
     "trained_model_names",
-    "load_checkpoint",
+    "load_neutral_checkpoint",
     "llama_shapes",
     "model_names",
     "model_shapes",
@@ -126,7 +132,7 @@ __all__ = [
     "read_shapes_file",
     "replicate_holdings",
     "root_buckets",
-    "save_checkpoint",
+    "save_neutral_checkpoint",
     "Segment",
     "split_newton_schulz_bytes",
     "split_newton_schulz_flops",

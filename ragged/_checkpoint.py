@@ -47,7 +47,7 @@ class StoredTensor(NamedTuple):
 
 
 class Checkpoint(NamedTuple):
-    """What ``load_checkpoint`` returns."""
+    """What ``load_neutral_checkpoint`` returns."""
 
     tensors: dict[str, StoredTensor]
     layouts: tuple[Layout, ...]
@@ -63,7 +63,7 @@ def encode(array: np.ndarray) -> StoredTensor:
     return StoredTensor(array.view(f"uint{8 * array.dtype.itemsize}"), array.dtype.name)
 
 
-def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray | StoredTensor], *,
+def save_neutral_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray | StoredTensor], *,
                     layouts: Sequence[Layout] = (), meta: Mapping[str, Any] | None = None,
                     overwrite: bool = False) -> Path:
     """Write a checkpoint directory atomically (temporary directory, fsync, rename).
@@ -116,8 +116,8 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray | 
     return path
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint written by ``save_checkpoint`` (any backend), checking it against its manifest.
+def load_neutral_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint written by ``save_neutral_checkpoint`` (any backend), checked against its manifest.
 
     Raises:
         CheckpointError: a missing file, an unknown format or version, or tensors that differ from the

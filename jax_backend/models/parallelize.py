@@ -62,7 +62,7 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
     Example:
         >>> mesh = make_mesh((4,), ("fsdp",))
         >>> fsdp = parallelize(Llama(rngs=nnx.Rngs(0)), mesh)
-        >>> buffers = fsdp.shard(model_params(model))
+        >>> buffers = fsdp.shard_params(model_params(model))
         >>> step = fsdp.train_step(optax.adamw(1e-3), cross_entropy)
 
     Args:

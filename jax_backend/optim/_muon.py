@@ -228,8 +228,8 @@ def _select(mask_of: Any, if_true: optax.GradientTransformation,
 
 
 def muon(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.95, nesterov: bool = True,
-         weight_decay: float = 0.0, adam_learning_rate: optax.ScalarOrSchedule = 3e-4,
-         adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8, *,
+         weight_decay: float = 0.0, adamw_learning_rate: optax.ScalarOrSchedule = 3e-4,
+         adamw_b1: float = 0.9, adamw_b2: float = 0.95, adamw_eps: float = 1e-8, *,
          plan: MuonPlan | None = None, ns_dtype: jnp.dtype = jnp.float32) -> optax.GradientTransformation:
     """Muon for 2-D parameters, AdamW for the others; decoupled weight decay on both.
 
@@ -238,7 +238,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.95, nesterov
     picks Muon's update for elements of 2-D tensors. ``ns_dtype``: as in ``scale_by_muon``.
 
     Example:
-        >>> opt = muon(0.02, adam_learning_rate=3e-4, plan=muon_plan(fsdp.layouts, fsdp.axis))
+        >>> opt = muon(0.02, adamw_learning_rate=3e-4, plan=muon_plan(fsdp.layouts, fsdp.axis))
         >>> step = fsdp.train_step(jax_backend.on_shards(opt), loss_fn)
 
     References:
@@ -247,7 +247,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.95, nesterov
     matrices = optax.chain(scale_by_muon(momentum, nesterov, plan=plan, ns_dtype=ns_dtype),
                            optax.add_decayed_weights(weight_decay),
                            optax.scale_by_learning_rate(learning_rate))
-    adamw = optax.adamw(adam_learning_rate, adam_b1, adam_b2, adam_eps, weight_decay=weight_decay)
+    adamw = optax.adamw(adamw_learning_rate, adamw_b1, adamw_b2, adamw_eps, weight_decay=weight_decay)
     if plan is None:
         partition = getattr(optax, "partition", None) or optax.multi_transform  # renamed in optax 0.2.4
         return partition({"muon": matrices, "adamw": adamw},

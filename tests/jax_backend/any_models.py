@@ -109,9 +109,10 @@ def _with_aux(out):
     return out if isinstance(out, tuple) else (out, None)
 
 
-def train_reference(apply, params, loss_fn, data) -> tuple[list[float], dict]:
-    """Plain single-device training: ``jax.grad`` of ``loss_fn(apply(params, x), y)``, optax on the pytree."""
-    opt = adamw()
+def train_reference(apply, params, loss_fn, data, opt=None) -> tuple[list[float], dict]:
+    """Plain single-device training: ``jax.grad`` of ``loss_fn(apply(params, x), y)``, optax on the pytree
+    (``adamw()`` unless ``opt`` is given)."""
+    opt = adamw() if opt is None else opt
 
     @jax.jit
     def step(p, s, x, y):

@@ -50,7 +50,7 @@ def run_fsdp(fsdp: FSDP, model: Llama, batches: np.ndarray,
              opt: optax.GradientTransformation | None = None) -> tuple[list[float], dict]:
     """``fsdp.train_step`` from the model's parameters (AdamW unless ``opt``): losses and unit buffers."""
     opt = opt or adamw()
-    buffers = fsdp.shard(model_params(model))
+    buffers = fsdp.shard_params(model_params(model))
     state = fsdp.init(opt, buffers)
     step = fsdp.train_step(opt, cross_entropy)
     losses = []
@@ -64,7 +64,7 @@ def train_fsdp(fsdp: FSDP, model: Llama, batches: np.ndarray,
                opt: optax.GradientTransformation | None = None) -> tuple[list[float], dict]:
     """``run_fsdp`` with the final parameters unsharded: losses and ``{fqn: np.ndarray}``."""
     losses, buffers = run_fsdp(fsdp, model, batches, opt)
-    return losses, {k: np.asarray(v) for k, v in fsdp.unshard(buffers).items()}
+    return losses, {k: np.asarray(v) for k, v in fsdp.full_params(buffers).items()}
 
 
 def rel_err(a, b) -> float:

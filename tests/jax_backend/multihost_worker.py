@@ -30,7 +30,7 @@ def main() -> None:
     from flax import nnx
     from jax_reference import BATCH, SEQ, STEPS, run_fsdp
 
-    from jax_backend import make_mesh, save_checkpoint
+    from jax_backend import make_mesh, save_neutral_checkpoint
     from jax_backend.models import Llama, parallelize
 
     assert jax.device_count() == 4 and jax.local_device_count() == 2
@@ -40,7 +40,7 @@ def main() -> None:
     model = Llama(rngs=nnx.Rngs(0))
     fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), remat=True)
     losses, buffers = run_fsdp(fsdp, model, batches)  # shards span both processes: saved, not unsharded
-    save_checkpoint(os.path.join(out, "ckpt"), buffers, fsdp.layouts)
+    save_neutral_checkpoint(os.path.join(out, "ckpt"), buffers, fsdp.layouts)
     if pid == 0:
         with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump(losses, f)

@@ -11,10 +11,10 @@ import ragged
 from jax_backend import (
     LayoutMismatchError,
     check_params,
+    full_params,
     make_mesh,
     shard_params,
     unpack_unit,
-    unshard_params,
 )
 from jax_backend.models import model_params, parallelize
 from ragged import plan_model
@@ -87,7 +87,7 @@ def test_round_trip_is_exact_and_shards_are_the_layouts(model, world):
             rank = mesh.devices.tolist().index(shard.device)
             lo, hi = layout.shard_range(rank)
             np.testing.assert_array_equal(np.asarray(shard.data), want[lo:hi])
-    back = unshard_params(buffers, layouts)
+    back = full_params(buffers, layouts)
     assert list(back) == [t.name for layout in layouts for t in layout.tensors]
     for name, value in params.items():
         assert np.array_equal(np.asarray(back[name]), np.asarray(value)), name
@@ -114,4 +114,4 @@ def test_bad_buffers_and_params_raise():
     with pytest.raises(LayoutMismatchError, match=r"unit 'output' mixes dtypes \['bfloat16', 'float32'\]"):
         check_params({"norm.weight": jnp.zeros(64, jnp.bfloat16), "output.weight": jnp.zeros((256, 64))}, out)
     with pytest.raises(LayoutMismatchError, match=r"buffers miss the units \['tok_embeddings'\]"):
-        unshard_params({}, layouts)
+        full_params({}, layouts)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from flax import nnx
 
+import jax_backend
 import ragged
-from jax_backend import LayoutMismatchError, fqn, make_mesh, shard_params, unshard_params
-from jax_backend._checkpoint import load_checkpoint, load_params, save_checkpoint
+import torch_backend
+from jax_backend import LayoutMismatchError, fqn, full_params, make_mesh, shard_params
 from jax_backend.models import Llama, parallelize
 from ragged import plan_model
-from torch_backend import load_neutral_checkpoint, save_neutral_checkpoint
 from torch_backend.models import Llama as TorchLlama
 
 UNITS = ragged.model_shapes("llama-tiny").units
@@ -35,30 +35,32 @@ def bits(t: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_jax_torch_round_trip_is_bit_exact_with_resharding(tmp_path, dtype):
     sd = torch_state_dict(dtype)
-    save_neutral_checkpoint(tmp_path / "from_torch", sd, layouts=plan_model(UNITS, 4))
+    torch_backend.save_neutral_checkpoint(tmp_path / "from_torch", sd, layouts=plan_model(UNITS, 4))
     # Load into JAX at 3 devices (the torch run planned for 4), save, and reload at 8.
     layouts3, mesh3 = plan_model(UNITS, 3), make_mesh((3,), ("fsdp",))
-    buffers = load_checkpoint(tmp_path / "from_torch", layouts3, mesh3, "fsdp")
+    buffers = jax_backend.load_neutral_checkpoint(tmp_path / "from_torch", layouts3, mesh3, "fsdp")
     assert {b.dtype.name for b in buffers.values()} == {str(dtype).removeprefix("torch.")}
-    save_checkpoint(tmp_path / "from_jax", buffers, layouts3)
+    jax_backend.save_neutral_checkpoint(tmp_path / "from_jax", buffers, layouts3)
     layouts8, mesh8 = plan_model(UNITS, 8), make_mesh((8,), ("fsdp",))
-    resharded = unshard_params(load_checkpoint(tmp_path / "from_jax", layouts8, mesh8, "fsdp"), layouts8)
-    back = load_neutral_checkpoint(tmp_path / "from_jax")
+    loaded = jax_backend.load_neutral_checkpoint(tmp_path / "from_jax", layouts8, mesh8, "fsdp")
+    resharded = full_params(loaded, layouts8)
+    back = torch_backend.load_neutral_checkpoint(tmp_path / "from_jax")
     assert list(back) == list(sd)
     for name, value in sd.items():
         assert back[name].dtype == dtype and back[name].shape == value.shape
         assert bits(back[name]) == bits(value), name
         assert np.asarray(resharded[name]).tobytes() == bits(value), name
-    assert ragged.load_checkpoint(tmp_path / "from_jax").layouts == layouts3
+    assert ragged.load_neutral_checkpoint(tmp_path / "from_jax").layouts == layouts3
 
 
 def test_torch_weights_give_the_same_logits_in_flax(tmp_path):
     """Same architecture: the torch model's weights, through a checkpoint, give flax the same logits."""
     torch_model = TorchLlama()
     torch_model.init_weights(0)
-    save_neutral_checkpoint(tmp_path / "ck", torch_model)
+    torch_backend.save_neutral_checkpoint(tmp_path / "ck", torch_model)
     fsdp = parallelize(Llama(rngs=nnx.Rngs(1)), make_mesh((2,), ("fsdp",)))
-    params = fsdp.unshard(load_checkpoint(tmp_path / "ck", fsdp.layouts, fsdp.mesh, fsdp.axis))
+    params = fsdp.full_params(
+        jax_backend.load_neutral_checkpoint(tmp_path / "ck", fsdp.layouts, fsdp.mesh, fsdp.axis))
     tokens = np.random.default_rng(0).integers(0, 256, size=(2, 16))
     model = Llama(rngs=nnx.Rngs(1))
     graphdef, state = nnx.split(model, nnx.Param)
@@ -77,8 +79,8 @@ def test_load_into_torch_module_and_dtensor(tmp_path):
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 2))
     want = {k: torch.randn(v.shape) for k, v in model.state_dict().items()}
-    save_neutral_checkpoint(tmp_path / "ck", want)
-    load_neutral_checkpoint(tmp_path / "ck", model)
+    torch_backend.save_neutral_checkpoint(tmp_path / "ck", want)
+    torch_backend.load_neutral_checkpoint(tmp_path / "ck", model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -88,24 +90,26 @@ def test_load_into_torch_module_and_dtensor(tmp_path):
             for name, p in list(layer.named_parameters()):
                 dt = distribute_tensor(torch.zeros_like(p), mesh, [Shard(0)])
                 layer.register_parameter(name, torch.nn.Parameter(dt))
-        load_neutral_checkpoint(tmp_path / "ck", model)
+        torch_backend.load_neutral_checkpoint(tmp_path / "ck", model)
         assert all(p.placements == (Shard(0),) for p in model.parameters())
         got = {k: v.full_tensor() for k, v in model.state_dict().items()}
-        save_neutral_checkpoint(tmp_path / "ck2", model)  # DTensors are gathered with full_tensor
+        torch_backend.save_neutral_checkpoint(tmp_path / "ck2", model)  # gathers DTensors with full_tensor
     finally:
         dist.destroy_process_group()
     assert all(torch.equal(got[k], v) for k, v in want.items())
-    assert all(torch.equal(load_neutral_checkpoint(tmp_path / "ck2")[k], v) for k, v in want.items())
+    back = torch_backend.load_neutral_checkpoint(tmp_path / "ck2")
+    assert all(torch.equal(back[k], v) for k, v in want.items())
 
 
 def test_checkpoint_that_does_not_match_the_layouts_is_named(tmp_path):
     sd = torch_state_dict(torch.float32)
     sd["output.weight"] = sd["output.weight"][:100]
-    save_neutral_checkpoint(tmp_path / "ck", sd)
+    torch_backend.save_neutral_checkpoint(tmp_path / "ck", sd)
     with pytest.raises(LayoutMismatchError, match=r"output.weight: params has shape \(100, 64\)"):
-        load_checkpoint(tmp_path / "ck", plan_model(UNITS, 2), make_mesh((2,), ("fsdp",)), "fsdp")
-    assert load_params(tmp_path / "ck")["output.weight"].shape == (100, 64)
+        jax_backend.load_neutral_checkpoint(tmp_path / "ck", plan_model(UNITS, 2), make_mesh((2,), ("fsdp",)),
+                                            "fsdp")
+    assert jax_backend.load_neutral_params(tmp_path / "ck")["output.weight"].shape == (100, 64)
     buffers = shard_params({k: v.numpy() for k, v in torch_state_dict(torch.float32).items()},
                            plan_model(UNITS, 2), make_mesh((2,), ("fsdp",)), "fsdp")
     with pytest.raises(ragged.CheckpointError, match="exists"):
-        save_checkpoint(tmp_path / "ck", buffers, plan_model(UNITS, 2))
+        jax_backend.save_neutral_checkpoint(tmp_path / "ck", buffers, plan_model(UNITS, 2))

@@ -58,7 +58,7 @@ def test_one_gather_and_one_reduce_scatter_per_unit_and_remat_frees_units(model,
     temp = {}
     for remat in (False, True):
         fsdp = parallelize(model, mesh, remat=remat)
-        buffers = fsdp.shard(model_params(model))
+        buffers = fsdp.shard_params(model_params(model))
         state = fsdp.init(optax.sgd(0.1), buffers)
         b = batches[0]
         step = fsdp.train_step(optax.sgd(0.1), cross_entropy)
@@ -105,10 +105,10 @@ def test_bad_inputs_raise_clear_errors(model):
     params["layers.1.attention.wk.weight"] = params["layers.1.attention.wk.weight"][:16]
     wrong_shape = r"layers.1.attention.wk.weight: params has shape \(16, 64\), the layout was planned for"
     with pytest.raises(LayoutMismatchError, match=wrong_shape + r" shape \(32, 64\)"):
-        fsdp.shard(params)
+        fsdp.shard_params(params)
     del params["layers.1.attention.wk.weight"]
     with pytest.raises(LayoutMismatchError, match=r"missing \['layers.1.attention.wk.weight'\]"):
-        fsdp.shard(params)
+        fsdp.shard_params(params)
     matrix_state = optax.GradientTransformation(lambda p: jnp.zeros((2, 2)), lambda u, s, p=None: (u, s))
     with pytest.raises(LayoutMismatchError, match=r"has shape \(2, 2\): only per-element state"):
-        fsdp.init(matrix_state, fsdp.shard(model_params(model)))
+        fsdp.init(matrix_state, fsdp.shard_params(model_params(model)))

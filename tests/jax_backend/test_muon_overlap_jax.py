@@ -52,7 +52,7 @@ def test_distributed_bf16_muon_equals_single_device_bf16_muon():
     """ns_dtype reaches the roots' Newton-Schulz: sharded bf16 Muon is single-device bf16 Muon (fp32 on the
     roots would be about 3% away, far outside the tolerance)."""
     params, grads = _fulls(MUON_SPECS, seed=5, steps=1)
-    bf16 = functools.partial(muon, 0.02, adam_learning_rate=1e-2, ns_dtype=jnp.bfloat16)
+    bf16 = functools.partial(muon, 0.02, adamw_learning_rate=1e-2, ns_dtype=jnp.bfloat16)
     want = _run_full(bf16(), params, grads)
     got, _ = _run_sharded(lambda lays: bf16(plan=muon_plan(lays, "fsdp")), MUON_SPECS, params, grads, 3)
     for n in params:

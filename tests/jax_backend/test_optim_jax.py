@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jax_reference import rel_err, train_fsdp, train_reference
 
 import ragged
-from jax_backend import make_mesh, on_shards, shard_map, shard_params, unshard_params
+from jax_backend import full_params, make_mesh, on_shards, shard_map, shard_params
 from jax_backend.models import parallelize
 from jax_backend.optim import adamw8bit, muon, muon_plan, newton_schulz, shard_blocks
 from tests.numpy_references import assert_tracks_fp32_adamw, newton_schulz_closed_form
@@ -71,7 +71,7 @@ def _run_sharded(make_opt, specs, params, grads, world):
     state = init(bufs)
     for g in grads:
         bufs, state = step(bufs, shard_params(g, layouts, mesh, "fsdp"), state)
-    return unshard_params(bufs, layouts), (step, bufs, shard_params(grads[0], layouts, mesh, "fsdp"), state)
+    return full_params(bufs, layouts), (step, bufs, shard_params(grads[0], layouts, mesh, "fsdp"), state)
 
 
 # ----- 8-bit Adam ------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_newton_schulz_matches_the_singular_value_closed_form(shape):
 
 
 def _muon(plan=None):
-    return muon(0.02, weight_decay=0.01, adam_learning_rate=1e-2, plan=plan)
+    return muon(0.02, weight_decay=0.01, adamw_learning_rate=1e-2, plan=plan)
 
 
 @pytest.mark.parametrize("world", (3, 4))  # 2 devices: the llama-tiny FSDP test below

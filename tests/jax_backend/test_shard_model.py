@@ -60,14 +60,14 @@ def shard(model, mesh_key, **kw):
 
 def train(fsdp, params, loss_fn, data):
     opt = adamw()
-    buffers = fsdp.shard(params)
+    buffers = fsdp.shard_params(params)
     state = fsdp.init(opt, buffers)
     step = fsdp.train_step(opt, loss_fn)
     losses = []
     for b in data:
         buffers, state, loss, *aux = step(buffers, state, b[:, :-1], b[:, 1:])
         losses.append(float(loss))
-    return losses, {k: np.asarray(v) for k, v in fsdp.unshard(buffers).items()}, aux
+    return losses, {k: np.asarray(v) for k, v in fsdp.full_params(buffers).items()}, aux
 
 
 def is_block(path: str, module: nnx.Module) -> bool:
@@ -114,7 +114,7 @@ def test_sharded_init_equals_the_unsharded_init_and_holds_one_unit_at_a_time():
     make = lambda: MoE(nnx.Rngs(0))
     want = jax.jit(lambda: flatten_params(nnx.state(make(), nnx.Param)))()
     fsdp = shard(mlp_apply, 4, params=jax.eval_shape(mlp_params), units=LAYERS)
-    got, want_mlp = fsdp.unshard(fsdp.init_params(mlp_params)), flatten_params(jax.jit(mlp_params)())
+    got, want_mlp = fsdp.full_params(fsdp.init_params(mlp_params)), flatten_params(jax.jit(mlp_params)())
     assert all(np.array_equal(got[k], want_mlp[k]) for k in want_mlp)
     fsdp = shard(nnx.eval_shape(make), 8, units="blocks.*")
     model_bytes, buffers = sum(4 * lay.total_numel for lay in fsdp.layouts), {}
@@ -125,7 +125,7 @@ def test_sharded_init_equals_the_unsharded_init_and_holds_one_unit_at_a_time():
         # the unit in full, its random bits and its packed buffer; never the model
         assert mem.temp_size_in_bytes <= 2.5 * unit_bytes < model_bytes, (lay.name, mem.temp_size_in_bytes)
         buffers[lay.name] = compiled()
-    got = fsdp.unshard(buffers)
+    got = fsdp.full_params(buffers)
     assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
@@ -137,7 +137,7 @@ def test_compiled_step_keeps_one_unit_unsharded_with_remat_and_less_temp_than_gs
     temp = {}
     for remat in (False, True):
         fsdp = shard(moe, 4, units=["blocks.*", "head"], remat=remat)
-        buffers = fsdp.shard(moe)
+        buffers = fsdp.shard_params(moe)
         compiled = fsdp.train_step(opt, moe_loss).lower(buffers, fsdp.init(opt, buffers), b[:, :-1],
                                                          b[:, 1:]).compile()
         ops = [ln.split("=", 1)[1] for ln in compiled.as_text().splitlines() if "=" in ln]
@@ -176,12 +176,12 @@ def test_errors_name_the_unit_path_and_size(moe, data):
         shard(mlp_apply, 4, params=mlp_params(), units=["layer.0"])
     bad = ReadsAnotherUnit(nnx.Rngs(0))
     fsdp = shard(bad, 4, units="blocks.*")
-    buffers, opt = fsdp.shard(bad), adamw()
+    buffers, opt = fsdp.shard_params(bad), adamw()
     step = fsdp.train_step(opt, moe_loss)
     with pytest.raises(UnitError, match=r"'blocks.0.norm.scale' of unit 'blocks.0' was read outside"):
         step(buffers, fsdp.init(opt, buffers), data[0][:, :-1], data[0][:, 1:])
     fsdp = shard(moe, "2x4", units="blocks.*")
-    buffers = fsdp.shard(moe)
+    buffers = fsdp.shard_params(moe)
     with pytest.raises(LayoutMismatchError, match=r"\['inputs'\] has shape \(12, 7\): its dim 0 must be "
                                                   r"divisible by the data-parallel size 8"):
         fsdp.train_step(opt, moe_loss)(buffers, fsdp.init(opt, buffers), data[0][:12, :-1], data[0][:12, 1:])
