@@ -19,7 +19,7 @@ time, and picks one of two ways to run it:
 A transformation neither way can honor (a transpose of a parameter, adafactor's reductions over some axes,
 two parameters mixed element by element) raises ``UnsupportedOptimizerError`` naming the primitive and
 the parameter, from ``FSDP.init`` and ``FSDP.train_step``, before anything runs. Optimizers written for the
-step's ``{unit: shard}`` dict (``jax_backend.optim``'s ``adamw8bit(blocks=...)``, ``muon(plan=...)``) are
+step's ``{unit: shard}`` dict (``jax_backend.optim``'s ``adamw8bit(tiles=...)``, ``muon(plan=...)``) are
 passed through ``on_shards`` and run as they are.
 """
 
@@ -48,7 +48,7 @@ class OnShards(optax.GradientTransformation):
 def on_shards(tx: optax.GradientTransformation) -> OnShards:
     """Mark ``tx`` as layout-aware: it takes the step's ``{unit: shard}`` dict and knows the Layouts itself.
 
-    For ``jax_backend.optim.adamw8bit(..., blocks=shard_blocks(...))`` and ``muon(..., plan=muon_plan(...))``,
+    For ``jax_backend.optim.adamw8bit(..., tiles=shard_tiles(...))`` and ``muon(..., plan=muon_plan(...))``,
     whose block ids and Newton-Schulz roots come from the core's tables, not from the params pytree.
     """
     return OnShards(tx.init, tx.update)
@@ -120,7 +120,7 @@ class _Traced:
         except Exception as err:  # noqa: BLE001 - any failure on the full params is reported the same way
             raise UnsupportedOptimizerError(
                 f"the optimizer fails on the full params pytree ({type(err).__name__}: {err}); if it is "
-                "written for the step's {unit: shard} dict (jax_backend.optim's adamw8bit(blocks=...), "
+                "written for the step's {unit: shard} dict (jax_backend.optim's adamw8bit(tiles=...), "
                 "muon(plan=...)), pass it as jax_backend.on_shards(tx)"
             ) from err
         state_leaves = jax.tree_util.tree_flatten_with_path(state)[0]

@@ -48,6 +48,7 @@ from ragged._presets import (
     model_shapes,
 )
 from ragged._redistribute import (
+    Holdings,
     Transfer,
     chunk_sizes,
     ragged_holdings,
@@ -61,12 +62,12 @@ from ragged._tiles import (
     TILE,
     PieceTable,
     TileError,
-    block_ids,
     check_tiles_local,
     piece_table,
-    quant_block,
+    quant_tile,
     tile_granularity,
     tile_grid,
+    tile_ids,
 )
 
 __all__ = [
@@ -81,7 +82,7 @@ __all__ = [
     "baseline_layouts",
     "BASELINES",
     "BaselineLayout",
-    "block_ids",
+    "tile_ids",
     "bucket_holdings",
     "block_numel",
     "check_tiles_local",
@@ -96,6 +97,7 @@ __all__ = [
     "group_load",
     "GranularityError",
     "GranularityRule",
+    "Holdings",
     "HsdpOption",
     "Layout",
     "LayoutDrawing",
@@ -125,7 +127,7 @@ __all__ = [
     "plan",
     "plan_model",
     "PlanningError",
-    "quant_block",
+    "quant_tile",
     "ragged_holdings",
     "RaggedError",
     "RaggedShard",

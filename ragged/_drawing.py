@@ -13,7 +13,7 @@ copy. The same unit can be drawn three ways, so the differences are visible rath
   device when no dim divides.
 
 Block edges (the granularity's blocks, where a cut is allowed) and tile edges (8-bit Adam's
-quantization blocks, ``quant_block``: bands of ``32 x cols`` for tiled matrices) are recorded where
+quantization tiles, ``quant_tile``: bands of ``32 x cols`` for tiled matrices) are recorded where
 they are coarse enough to see; a ``cut`` is a device boundary strictly inside a block. The renderers
 (``Picture.svg``, ``Picture.__rich__``, ``experiments/layout_png.py``) only draw this data.
 """
@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from ragged._baselines import count_split_blocks
 from ragged._layout import Layout, TensorSlot, ceil_to
-from ragged._tiles import quant_block
+from ragged._tiles import quant_tile
 
 METHODS = ("ragged", "fsdp2", "gspmd")
 MAX_EDGES = 16  # per interval: finer blocks would paint the row solid (and bloat the SVG): left out
@@ -269,8 +269,8 @@ def _edges(device: int, start: int, lo: int, hi: int, block: int, name: str) -> 
 
 
 def _tile_band(t: TensorSlot) -> int:
-    """Elements in one band of 8-bit Adam's quantization blocks (tile rows x columns; 1 for vectors)."""
-    rows, _ = quant_block(t.shape)
+    """Elements in one band of 8-bit Adam's quantization tiles (tile rows x columns; 1 for vectors)."""
+    rows, _ = quant_tile(t.shape)
     return rows * t.shape[-1] if len(t.shape) >= 2 else 1
 
 

@@ -1,6 +1,6 @@
-"""Quantization blocks of 8-bit optimizer state, and where they live on each device.
+"""Quantization tiles of 8-bit optimizer state, and where they live on each device.
 
-8-bit Adam keeps one scale per block of its state. Each tensor's block (``quant_block``) is a rectangle
+8-bit Adam keeps one scale per block of its state. Each tensor's block (``quant_tile``) is a rectangle
 of its 2-D view ``(prod(shape[:-1]), shape[-1])``, numbered row-major over the block grid:
 
 - a matrix the tile ``R x C`` divides (default 32 x 32) is *tiled*: its blocks are the ``R x C`` tiles;
@@ -11,8 +11,8 @@ A block lives on one device when every device's flat range of the tensor starts 
 (a multiple of ``block_rows * cols`` elements): that is what the granularity ``tiles:RxC`` guarantees for
 tiled matrices (``rows:1`` for the others; ``tile_granularity`` picks it), so each device quantizes its own
 blocks with no metadata communication. A placement that cuts a block is rejected with ``TileError``
-naming the tensor. Backends read the block of every local element from here (``block_ids``,
-``local_block_ids``, ``piece_table``) instead of recomputing offsets.
+naming the tensor. Backends read the block of every local element from here (``tile_ids``,
+``local_tile_ids``, ``piece_table``) instead of recomputing offsets.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ TILE = (32, 32)
 
 
 class TileError(GranularityError):
-    """A placement or layout that cuts a quantization block across devices."""
+    """A placement or layout that cuts a quantization tile across devices."""
 
 
 def tile_grid(shape: Shape, tile: tuple[int, int] = TILE) -> tuple[int, int] | None:
@@ -47,8 +47,8 @@ def tile_grid(shape: Shape, tile: tuple[int, int] = TILE) -> tuple[int, int] | N
     return rows // tile[0], cols // tile[1]
 
 
-def quant_block(shape: Shape, tile: tuple[int, int] = TILE) -> tuple[int, int]:
-    """The quantization block ``(rows, cols)`` of a tensor's 2-D view: the tile, one row, or one element."""
+def quant_tile(shape: Shape, tile: tuple[int, int] = TILE) -> tuple[int, int]:
+    """The quantization tile ``(rows, cols)`` of a tensor's 2-D view: the tile, one row, or one element."""
     if tile_grid(shape, tile):
         return tile
     if len(shape) >= 2:
@@ -64,7 +64,7 @@ def _width(shape: Shape) -> int:
 def tile_granularity(shape: Shape, otherwise: Granularity | int | str = "rows:1",
                      tile: tuple[int, int] = TILE) -> Granularity:
     """``tiles:RxC`` for a tiled matrix, else ``granularity_for(shape, otherwise)``: the planner rule that
-    keeps every quantization block on one device (the paper's granularity for 8-bit Adam)."""
+    keeps every quantization tile on one device (the paper's granularity for 8-bit Adam)."""
     if tile_grid(shape, tile):
         return Granularity("tiles", tile[0], tile[1])
     return granularity_for(shape, otherwise)
@@ -73,7 +73,7 @@ def tile_granularity(shape: Shape, otherwise: Granularity | int | str = "rows:1"
 def check_tiles_local(
     shape: Shape, ranges: Sequence[tuple[int, int]], name: str = "tensor", tile: tuple[int, int] = TILE
 ) -> None:
-    """Raise ``TileError`` if a device's flat range ``[start, stop)`` cuts a quantization block.
+    """Raise ``TileError`` if a device's flat range ``[start, stop)`` cuts a quantization tile.
 
     Args:
         shape: the tensor's global shape.
@@ -84,34 +84,34 @@ def check_tiles_local(
     Raises:
         TileError: naming the tensor, the device, its range, the block and the granularity to plan with.
     """
-    rows, cols = quant_block(shape, tile)
+    rows, cols = quant_tile(shape, tile)
     band = rows * _width(shape)
     for rank, (start, stop) in enumerate(ranges):
         if start < stop and (start % band or stop % band):
             rule = tile_granularity(tuple(shape), tile=tile)
             raise TileError(
                 f"{name}: device {rank} holds elements [{start}, {stop}) of shape {tuple(shape)}, which cuts "
-                f"its {rows}x{cols} quantization blocks (a device must hold whole bands of {band} "
+                f"its {rows}x{cols} quantization tiles (a device must hold whole bands of {band} "
                 f"elements); plan this tensor with granularity '{rule}' (ragged.tile_granularity)"
             )
 
 
-def block_ids(
+def tile_ids(
     shape: Shape, start: int, stop: int, name: str = "tensor", tile: tuple[int, int] = TILE
 ) -> np.ndarray:
-    """The quantization block of each element of ``[start, stop)`` of the flattened tensor.
+    """The quantization tile of each element of ``[start, stop)`` of the flattened tensor.
 
-    Blocks (``quant_block``) are numbered row-major over the block grid, from 0 at the first block of
+    Blocks (``quant_tile``) are numbered row-major over the block grid, from 0 at the first block of
     the range.
 
     Returns:
-        An int32 array of ``stop - start`` block ids.
+        An int32 array of ``stop - start`` tile ids.
 
     Raises:
         TileError: the range cuts a block.
     """
     check_tiles_local(shape, [(start, stop)], name, tile)
-    rows, cols = quant_block(shape, tile)
+    rows, cols = quant_tile(shape, tile)
     width = _width(shape)
     flat = np.arange(start, stop, dtype=np.int64)
     per_band = width // cols
@@ -120,7 +120,7 @@ def block_ids(
     return (ids - first).astype(np.int32)
 
 
-def local_block_ids(layout: Layout, rank: int, tile: tuple[int, int] = TILE) -> tuple[np.ndarray, int]:
+def local_tile_ids(layout: Layout, rank: int, tile: tuple[int, int] = TILE) -> tuple[np.ndarray, int]:
     """Block ids of every element of device ``rank``'s shard, numbered in buffer order.
 
     Each piece (``Layout.local_pieces``) contributes its own blocks after the previous pieces'; padding
@@ -136,7 +136,7 @@ def local_block_ids(layout: Layout, rank: int, tile: tuple[int, int] = TILE) -> 
     count = 0
     for piece in layout.local_pieces(rank):
         slot = layout.slot(piece.name)
-        local = block_ids(slot.shape, piece.start, piece.stop, piece.name, tile)
+        local = tile_ids(slot.shape, piece.start, piece.stop, piece.name, tile)
         size = piece.stop - piece.start
         ids[piece.local_offset:piece.local_offset + size] = local + count
         count += int(local.max()) + 1
@@ -146,26 +146,26 @@ def local_block_ids(layout: Layout, rank: int, tile: tuple[int, int] = TILE) -> 
 class PieceTable(NamedTuple):
     """Every device's pieces with their block geometry, padded to one count: a small static table.
 
-    SPMD code picks its row with the device index and derives each element's block id on the fly
-    (``searchsorted`` over ``offset``, then the block formula of ``block_ids``), so the table holds a few
+    SPMD code picks its row with the device index and derives each element's tile id on the fly
+    (``searchsorted`` over ``offset``, then the block formula of ``tile_ids``), so the table holds a few
     ints per piece instead of one id per element. Missing pieces have ``offset = shard_size`` and length 0.
     Padding elements belong to the spare block ``count``, so segment reductions take ``count + 1`` segments.
     """
 
     offset: np.ndarray  # (world_size, pieces) int32: where the piece starts in the shard, ascending
     length: np.ndarray  # (world_size, pieces) int32: elements in the piece
-    first: np.ndarray  # (world_size, pieces) int32: block id of the piece's first block on this device
+    first: np.ndarray  # (world_size, pieces) int32: tile id of the piece's first block on this device
     width: np.ndarray  # (world_size, pieces) int32: columns of the tensor's 2-D view (1 for vectors)
-    rows: np.ndarray  # (world_size, pieces) int32: block rows (quant_block)
-    cols: np.ndarray  # (world_size, pieces) int32: block columns (quant_block)
+    rows: np.ndarray  # (world_size, pieces) int32: block rows (quant_tile)
+    cols: np.ndarray  # (world_size, pieces) int32: block columns (quant_tile)
     count: int  # the most blocks any device holds
 
 
 def piece_table(layout: Layout, tile: tuple[int, int] = TILE) -> PieceTable:
-    """The ``PieceTable`` of ``layout``: block ids equal ``local_block_ids`` on every device.
+    """The ``PieceTable`` of ``layout``: tile ids equal ``local_tile_ids`` on every device.
 
     Raises:
-        TileError: a piece cuts a quantization block of its tensor (naming it).
+        TileError: a piece cuts a quantization tile of its tensor (naming it).
     """
     per_rank, count = [], 0
     for rank in range(layout.world_size):
@@ -174,7 +174,7 @@ def piece_table(layout: Layout, tile: tuple[int, int] = TILE) -> PieceTable:
             shape = layout.slot(piece.name).shape
             length = piece.stop - piece.start
             check_tiles_local(shape, [(piece.start, piece.stop)], piece.name, tile)
-            r, c = quant_block(shape, tile)
+            r, c = quant_tile(shape, tile)
             width = _width(shape)
             rows.append((piece.local_offset, length, first, width, r, c))
             first += length // (r * width) * (width // c)
@@ -184,5 +184,5 @@ def piece_table(layout: Layout, tile: tuple[int, int] = TILE) -> PieceTable:
     empty = (layout.shard_size, 0, 0, 1, 1, 1)
     table = np.array([rows + [empty] * (most - len(rows)) for rows in per_rank], dtype=np.int64)
     if table.max() >= 2**31:
-        raise TileError(f"layout {layout.name!r}: shard size {layout.shard_size} overflows int32 block ids")
+        raise TileError(f"layout {layout.name!r}: shard size {layout.shard_size} overflows int32 tile ids")
     return PieceTable(*(table[:, :, k].astype(np.int32) for k in range(6)), count)

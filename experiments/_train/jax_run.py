@@ -79,13 +79,13 @@ def optimizer(args, fsdp):
     import optax
 
     from jax_backend import on_shards
-    from jax_backend.optim import adamw8bit, muon, muon_plan, shard_blocks
+    from jax_backend.optim import adamw8bit, muon, muon_plan, shard_tiles
 
     if args.optimizer == "adamw":
         return optax.adamw(args.lr, weight_decay=args.weight_decay)
     if args.optimizer == "adam8bit":
-        blocks = shard_blocks(fsdp.layouts, fsdp.axis)
-        return on_shards(adamw8bit(args.lr, weight_decay=args.weight_decay, blocks=blocks))
+        tiles = shard_tiles(fsdp.layouts, fsdp.axis)
+        return on_shards(adamw8bit(args.lr, weight_decay=args.weight_decay, tiles=tiles))
     # both are layout-aware (tiles, Newton-Schulz roots), so they run on the unit shards as they are
     return on_shards(muon(args.lr, weight_decay=args.weight_decay, plan=muon_plan(fsdp.layouts, fsdp.axis)))
 

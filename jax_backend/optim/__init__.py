@@ -1,17 +1,17 @@
 """jax_backend.optim: structure-aware optax optimizers (8-bit tile Adam, distributed Muon).
 
 Each is a ``scale_by_*`` transform with its own ``*State`` NamedTuple plus an alias that chains it with
-weight decay and the learning rate. Pass ``blocks=shard_blocks(...)`` / ``plan=muon_plan(...)`` to run
+weight decay and the learning rate. Pass ``tiles=shard_tiles(...)`` / ``plan=muon_plan(...)`` to run
 them on FSDP unit shards inside ``FSDP.train_step``.
 """
 
 from jax_backend.optim._adam8bit import (
     ScaleByAdam8bitState,
-    ShardBlocks,
-    WholeBlocks,
+    ShardTiles,
+    WholeTiles,
     adamw8bit,
     scale_by_adam8bit,
-    shard_blocks,
+    shard_tiles,
 )
 from jax_backend.optim._muon import MuonPlan, ScaleByMuonState, muon, muon_plan, newton_schulz, scale_by_muon
 
@@ -19,13 +19,13 @@ __all__ = [
     "MuonPlan",
     "ScaleByAdam8bitState",
     "ScaleByMuonState",
-    "ShardBlocks",
-    "WholeBlocks",
+    "ShardTiles",
+    "WholeTiles",
     "adamw8bit",
     "muon",
     "muon_plan",
     "newton_schulz",
     "scale_by_adam8bit",
     "scale_by_muon",
-    "shard_blocks",
+    "shard_tiles",
 ]

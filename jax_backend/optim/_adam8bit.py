@@ -1,9 +1,9 @@
 """8-bit blockwise Adam(W) as optax transformations, with 32x32 quantization tiles that never cross devices.
 
-Every element of every leaf belongs to one quantization block (``ragged.block_ids``): the 32x32 tiles of
+Every element of every leaf belongs to one quantization tile (``ragged.tile_ids``): the 32x32 tiles of
 a matrix the tile divides, one row of another matrix, one element of a 1-D tensor (whose state so stays
-at full precision). Quantization uses the core's dynamic codebooks (``ragged._codebook``, the table the
-torch ``Adam8bit`` loads): one fp32 absmax scale per block (a segment max over the block ids) and a uint8
+at full precision). Quantization uses the core's dynamic codebooks (``ragged.codebook``, the table the
+torch ``Adam8bit`` loads): one fp32 absmax scale per block (a segment max over the tile ids) and a uint8
 code per element, the nearest entry of
 
 - ``SIGNED`` for the first moment ``m``;
@@ -13,8 +13,8 @@ Each step dequantizes, updates ``m`` and ``v`` in fp32, takes Adam's direction f
 stores the requantized moments. The float32 operations on the moments are the torch optimizer's, in its
 order, so both stacks store the same codes from the same gradients (tested bit for bit).
 
-Blocks of a leaf come from its ``blocks`` entry: ``WholeBlocks`` (default: the leaf is a whole tensor) or
-``ShardBlocks`` (the leaf is an FSDP unit's local shard inside ``shard_map``: the core's static
+Tiles of a leaf come from its ``tiles`` entry: ``WholeTiles`` (default: the leaf is a whole tensor) or
+``ShardTiles`` (the leaf is an FSDP unit's local shard inside ``shard_map``: the core's static
 ``PieceTable`` of every device, indexed by ``lax.axis_index``, so one trace serves all devices). Tiles
 are local by construction (granularity ``ragged.tile_granularity``), so no scale or code ever crosses devices.
 """
@@ -33,7 +33,7 @@ from jax import lax
 
 import ragged
 from ragged import Layout
-from ragged._codebook import SIGNED, UNSIGNED, Codebook
+from ragged.codebook import SIGNED, UNSIGNED, Codebook
 
 Tile = tuple[int, int]
 _ZERO_M = int(SIGNED.values.searchsorted(0.0))  # the code of 0 (UNSIGNED: code 0)
@@ -41,7 +41,7 @@ _ZERO_M = int(SIGNED.values.searchsorted(0.0))  # the code of 0 (UNSIGNED: code 
 
 # ----- which block each element belongs to ---------------------------------------------------------
 @dataclass(frozen=True)
-class WholeBlocks:
+class WholeTiles:
     """Blocks of a leaf that is a whole tensor of ``shape`` (on one device, or replicated)."""
 
     shape: tuple[int, ...]
@@ -50,7 +50,7 @@ class WholeBlocks:
 
     def __post_init__(self) -> None:
         numel = int(np.prod(self.shape))
-        object.__setattr__(self, "_ids", ragged.block_ids(self.shape, 0, numel, tile=self.tile))
+        object.__setattr__(self, "_ids", ragged.tile_ids(self.shape, 0, numel, tile=self.tile))
 
     @property
     def count(self) -> int:
@@ -73,11 +73,11 @@ def piece_of(offset: jax.Array, length: jax.Array, size: int) -> tuple[jax.Array
 
 
 @dataclass(frozen=True)
-class ShardBlocks:
+class ShardTiles:
     """Blocks of one FSDP unit's local shard ``(S,)``, for use inside ``shard_map`` over ``axis``.
 
     ``table`` is the core's ``PieceTable`` (a few ints per piece and device); each device picks its row
-    with ``lax.axis_index`` and derives every element's block id, padding in the spare block.
+    with ``lax.axis_index`` and derives every element's tile id, padding in the spare block.
     """
 
     table: ragged.PieceTable
@@ -93,21 +93,21 @@ class ShardBlocks:
         offset, length, first, width, rows, cols = (jnp.asarray(a)[lax.axis_index(self.axis)] for a in t[:6])
         k, j, inside = piece_of(offset, length, self.shard_size)
         w = width[k]
-        block = first[k] + (j // w // rows[k]) * (w // cols[k]) + (j % w) // cols[k]  # ragged.block_ids
+        block = first[k] + (j // w // rows[k]) * (w // cols[k]) + (j % w) // cols[k]  # ragged.tile_ids
         return jnp.where(inside, block, t.count)
 
 
-def shard_blocks(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.TILE) -> dict[str, ShardBlocks]:
-    """``{unit: ShardBlocks}`` for the FSDP step's local shards (``FSDP.train_step``'s optimizer).
+def shard_tiles(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.TILE) -> dict[str, ShardTiles]:
+    """``{unit: ShardTiles}`` for the FSDP step's local shards (``FSDP.train_step``'s optimizer).
 
     Raises:
-        ragged.TileError: a tensor whose layout cuts a quantization block (e.g. a matrix planned with
+        ragged.TileError: a tensor whose layout cuts a quantization tile (e.g. a matrix planned with
             element granularity), naming it; plan with ``ragged.tile_granularity``.
     """
-    return {lay.name: ShardBlocks(ragged.piece_table(lay, tile), axis, lay.shard_size) for lay in layouts}
+    return {lay.name: ShardTiles(ragged.piece_table(lay, tile), axis, lay.shard_size) for lay in layouts}
 
 
-# ----- quantization over block ids -------------------------------------------------------------------
+# ----- quantization over tile ids -------------------------------------------------------------------
 def quantize(x: jax.Array, ids: jax.Array, count: int, book: Codebook) -> tuple[jax.Array, jax.Array]:
     """Flat fp32 values -> uint8 codes (nearest ``book`` entry of ``x / absmax``) and one scale per block."""
     scale = jnp.maximum(jax.ops.segment_max(jnp.abs(x), ids, num_segments=count), 0.0)  # empty: -inf
@@ -136,39 +136,39 @@ class ScaleByAdam8bitState(NamedTuple):
 
     count: jax.Array  # () int32: steps taken
     m_codes: Any  # per leaf (n,) uint8
-    m_scale: Any  # per leaf (blocks,) fp32
+    m_scale: Any  # per leaf (tiles,) fp32
     v_codes: Any  # per leaf (n,) uint8
-    v_scale: Any  # per leaf (blocks,) fp32
+    v_scale: Any  # per leaf (tiles,) fp32
 
 
-def _blocks_for(tree: Any, blocks: Mapping[str, Any] | None, tile: Tile) -> Any:
-    """A tree of block specs with ``tree``'s structure: ``blocks`` as given, else ``WholeBlocks``."""
-    if blocks is None:
-        return jax.tree.map(lambda x: WholeBlocks(tuple(x.shape), tile), tree)
-    if not isinstance(tree, Mapping) or set(tree) != set(blocks):
+def _tiles_for(tree: Any, tiles: Mapping[str, Any] | None, tile: Tile) -> Any:
+    """A tree of tile specs with ``tree``'s structure: ``tiles`` as given, else ``WholeTiles``."""
+    if tiles is None:
+        return jax.tree.map(lambda x: WholeTiles(tuple(x.shape), tile), tree)
+    if not isinstance(tree, Mapping) or set(tree) != set(tiles):
         got = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
-        raise ValueError(f"scale_by_adam8bit: blocks are given for the units {sorted(blocks)}, but the "
-                         f"updates are {got}; pass the FSDP step's {{unit: shard}} dict (or blocks=None)")
-    return {k: blocks[k] for k in tree}
+        raise ValueError(f"scale_by_adam8bit: tiles are given for the units {sorted(tiles)}, but the "
+                         f"updates are {got}; pass the FSDP step's {{unit: shard}} dict (or tiles=None)")
+    return {k: tiles[k] for k in tree}
 
 
 def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-                      blocks: Mapping[str, Any] | None = None,
+                      tiles: Mapping[str, Any] | None = None,
                       tile: Tile = ragged.TILE) -> optax.GradientTransformation:
-    """Rescale updates by Adam's direction, keeping the moments in 8 bits per quantization block.
+    """Rescale updates by Adam's direction, keeping the moments in 8 bits per quantization tile.
 
     Args:
         b1, b2, eps: as ``optax.scale_by_adam``.
-        blocks: ``None`` when the leaves are whole tensors; for the FSDP step's local shards, the
-            ``{unit: ShardBlocks}`` of ``shard_blocks(layouts, axis)`` (a dict like the updates).
-        tile: the quantization tile for ``WholeBlocks``.
+        tiles: ``None`` when the leaves are whole tensors; for the FSDP step's local shards, the
+            ``{unit: ShardTiles}`` of ``shard_tiles(layouts, axis)`` (a dict like the updates).
+        tile: the quantization tile for ``WholeTiles``.
 
     Returns:
         An ``optax.GradientTransformation`` whose state is a ``ScaleByAdam8bitState``.
     """
 
     def init_fn(params: Any) -> ScaleByAdam8bitState:
-        specs = _blocks_for(params, blocks, tile)
+        specs = _tiles_for(params, tiles, tile)
         m_codes = jax.tree.map(lambda p: jnp.full(p.size, _ZERO_M, jnp.uint8), params)
         v_codes = jax.tree.map(lambda p: jnp.zeros(p.size, jnp.uint8), params)
         scales = jax.tree.map(lambda _, b: jnp.zeros(b.count, jnp.float32), params, specs)
@@ -178,7 +178,7 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         del params
         count = optax.safe_increment(state.count)
         t = count.astype(jnp.float32)
-        specs = _blocks_for(updates, blocks, tile)
+        specs = _tiles_for(updates, tiles, tile)
 
         def leaf(g, mq, ms, vq, vs, spec):
             ids, n = spec.ids(), spec.count
@@ -199,20 +199,20 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
 
 def adamw8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-              weight_decay: float = 1e-4, *, blocks: Mapping[str, Any] | None = None,
+              weight_decay: float = 1e-4, *, tiles: Mapping[str, Any] | None = None,
               tile: Tile = ragged.TILE) -> optax.GradientTransformation:
     """AdamW with 8-bit tile-quantized moments: ``scale_by_adam8bit``, decoupled weight decay, learning rate.
 
     Example:
         >>> fsdp = parallelize(model, mesh, granularity=lambda name, shape: ragged.tile_granularity(shape))
-        >>> opt = adamw8bit(1e-3, blocks=shard_blocks(fsdp.layouts, fsdp.axis))
+        >>> opt = adamw8bit(1e-3, tiles=shard_tiles(fsdp.layouts, fsdp.axis))
         >>> step = fsdp.train_step(jax_backend.on_shards(opt), loss_fn)
 
     References:
         Dettmers et al., 8-bit Optimizers via Block-wise Quantization (2022); veScale-FSDP (2026).
     """
     return optax.chain(
-        scale_by_adam8bit(b1, b2, eps, blocks=blocks, tile=tile),
+        scale_by_adam8bit(b1, b2, eps, tiles=tiles, tile=tile),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )

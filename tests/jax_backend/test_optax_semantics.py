@@ -37,7 +37,7 @@ from jax_backend import (
     shard_map,
     shard_model,
 )
-from jax_backend.optim import adamw8bit, shard_blocks
+from jax_backend.optim import adamw8bit, shard_tiles
 
 # Odd shapes, biases, a 3-D tensor, and tensors small enough that some device holds nothing of them.
 SPECS = (("blocks.0.w", (7, 5)), ("blocks.0.b", (5,)), ("experts", (3, 4, 6)), ("head.w", (5, 9)),
@@ -208,7 +208,7 @@ def test_layout_aware_optimizers_pass_only_when_marked():
     unmarked, it fails on the full params (its blocks name units) and the error points to on_shards."""
     layout = ragged.plan([ragged.TensorSpec("w", (64, 32), "tiles:32x32")], 4, name="unit")
     fsdp = FSDP(make_mesh((4,), ("fsdp",)), (layout,), (Stage("unit", lambda p, h: h),))
-    tx = adamw8bit(1e-3, blocks=shard_blocks(fsdp.layouts, fsdp.axis))
+    tx = adamw8bit(1e-3, tiles=shard_tiles(fsdp.layouts, fsdp.axis))
     buffers = fsdp.shard_params({"w": jnp.ones((64, 32))})
     with pytest.raises(UnsupportedOptimizerError, match=r"blocks are given for the units.*on_shards\(tx\)"):
         fsdp.init(tx, buffers)

@@ -21,7 +21,7 @@ from jax_reference import rel_err, train_fsdp, train_reference
 import ragged
 from jax_backend import full_params, make_mesh, on_shards, shard_map, shard_params
 from jax_backend.models import parallelize
-from jax_backend.optim import adamw8bit, muon, muon_plan, newton_schulz, shard_blocks
+from jax_backend.optim import adamw8bit, muon, muon_plan, newton_schulz, shard_tiles
 from tests.numpy_references import assert_tracks_fp32_adamw, newton_schulz_closed_form
 
 WORLDS = (1, 2, 3, 4)
@@ -91,7 +91,7 @@ def _muon_reference():
 def test_adamw8bit_on_shards_gives_the_same_bits_as_on_full_tensors(world):
     params, grads, want = _adam_reference()
     got, (step, bufs, g, state) = _run_sharded(
-        lambda lays: adamw8bit(1e-2, weight_decay=0.1, blocks=shard_blocks(lays, "fsdp")),
+        lambda lays: adamw8bit(1e-2, weight_decay=0.1, tiles=shard_tiles(lays, "fsdp")),
         ADAM_SPECS, params, grads, world)
     for n in params:
         np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(want[n]), err_msg=n)
@@ -102,17 +102,17 @@ def test_adamw8bit_on_shards_gives_the_same_bits_as_on_full_tensors(world):
 
 @pytest.mark.parametrize("world", (3, 4))
 def test_block_ids_and_muon_masks_on_each_device_match_the_core(world):
-    from ragged._tiles import local_block_ids
+    from ragged._tiles import local_tile_ids
 
     layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in ADAM_SPECS], world, name="unit")
-    blocks, plan = shard_blocks([layout], "fsdp")["unit"], muon_plan([layout], "fsdp")
+    tiles, plan = shard_tiles([layout], "fsdp")["unit"], muon_plan([layout], "fsdp")
     mesh = make_mesh((world,), ("fsdp",))
-    ids, mask = jax.jit(shard_map(lambda: (blocks.ids(), plan.mask("unit")), mesh, in_specs=(),
+    ids, mask = jax.jit(shard_map(lambda: (tiles.ids(), plan.mask("unit")), mesh, in_specs=(),
                                   out_specs=(P("fsdp"), P("fsdp"))))()
     ids, mask = np.asarray(ids).reshape(world, -1), np.asarray(mask).reshape(world, -1)
     for rank in range(world):
-        want, _ = local_block_ids(layout, rank)
-        np.testing.assert_array_equal(ids[rank], np.where(want < 0, blocks.count - 1, want))
+        want, _ = local_tile_ids(layout, rank)
+        np.testing.assert_array_equal(ids[rank], np.where(want < 0, tiles.count - 1, want))
         dense = np.zeros(layout.shard_size, bool)
         for p in layout.local_pieces(rank):
             dense[p.local_offset:p.local_offset + p.stop - p.start] = len(layout.slot(p.name).shape) == 2
@@ -122,12 +122,12 @@ def test_block_ids_and_muon_masks_on_each_device_match_the_core(world):
 def test_a_layout_that_cuts_tiles_is_rejected_naming_the_tensor():
     layout = ragged.plan([ragged.TensorSpec("layers.0.feed_forward.w1.weight", (64, 64), "element")], 3)
     with pytest.raises(ragged.TileError, match=r"layers\.0\.feed_forward\.w1\.weight.*tiles:32x32"):
-        shard_blocks([layout], "fsdp")
+        shard_tiles([layout], "fsdp")
 
 
-def test_blocks_for_other_units_are_rejected():
+def test_tiles_for_other_units_are_rejected():
     layout = ragged.plan([ragged.TensorSpec("w", (64, 32), "tiles:32x32")], 2, name="layers.0")
-    opt = adamw8bit(1e-3, blocks=shard_blocks([layout], "fsdp"))
+    opt = adamw8bit(1e-3, tiles=shard_tiles([layout], "fsdp"))
     with pytest.raises(ValueError, match=r"\['layers\.0'\].*\['layers\.1'\]"):
         opt.init({"layers.1": jnp.zeros(layout.shard_size)})
 
@@ -222,8 +222,8 @@ def test_fsdp_train_step_with_structure_aware_optimizers_matches_single_device(n
     model, batches = _tiny()
     fsdp = parallelize(model, make_mesh((2,), ("fsdp",)), granularity=lambda n, s: ragged.tile_granularity(s))
     if name == "adamw8bit":
-        blocks = shard_blocks(fsdp.layouts, fsdp.axis)
-        sharded, full = adamw8bit(3e-3, weight_decay=0.1, blocks=blocks), adamw8bit(3e-3, weight_decay=0.1)
+        tiles = shard_tiles(fsdp.layouts, fsdp.axis)
+        sharded, full = adamw8bit(3e-3, weight_decay=0.1, tiles=tiles), adamw8bit(3e-3, weight_decay=0.1)
     else:
         sharded, full = _muon(muon_plan(fsdp.layouts, fsdp.axis)), _muon()
     losses, _ = train_fsdp(fsdp, model, batches, on_shards(sharded))  # layout-aware: skips check_optimizer

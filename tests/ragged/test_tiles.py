@@ -12,12 +12,12 @@ import ragged
 from ragged._muon_roots import assign_roots, newton_schulz_flops
 from ragged._tiles import (
     TileError,
-    block_ids,
     check_tiles_local,
-    local_block_ids,
+    local_tile_ids,
     piece_table,
-    quant_block,
+    quant_tile,
     tile_grid,
+    tile_ids,
 )
 
 
@@ -44,7 +44,7 @@ def test_block_ids_match_brute_force_on_every_band_range(shape, tile):
     for start in range(0, numel, band):
         for stop in range(start + band, numel + 1, band):
             want = full[start:stop] - full[start]
-            np.testing.assert_array_equal(block_ids(shape, start, stop, tile=tile), want)
+            np.testing.assert_array_equal(tile_ids(shape, start, stop, tile=tile), want)
 
 
 def test_tile_granularity_tiles_what_the_tile_divides():
@@ -54,12 +54,12 @@ def test_tile_granularity_tiles_what_the_tile_divides():
 
 
 def test_untiled_matrices_have_row_blocks_and_vectors_element_blocks():
-    assert quant_block((48, 32)) == (1, 32) and quant_block((7,)) == (1, 1)
-    assert quant_block((64, 64)) == (32, 32)
-    np.testing.assert_array_equal(block_ids((7,), 2, 6), [0, 1, 2, 3])
-    np.testing.assert_array_equal(block_ids((6, 4), 8, 20), np.repeat([0, 1, 2], 4))  # 6 rows: not tiled
-    with pytest.raises(TileError, match=r"w2.*1x4 quantization blocks.*'rows:1'"):
-        block_ids((6, 4), 2, 8, name="w2")
+    assert quant_tile((48, 32)) == (1, 32) and quant_tile((7,)) == (1, 1)
+    assert quant_tile((64, 64)) == (32, 32)
+    np.testing.assert_array_equal(tile_ids((7,), 2, 6), [0, 1, 2, 3])
+    np.testing.assert_array_equal(tile_ids((6, 4), 8, 20), np.repeat([0, 1, 2], 4))  # 6 rows: not tiled
+    with pytest.raises(TileError, match=r"w2.*1x4 quantization tiles.*'rows:1'"):
+        tile_ids((6, 4), 2, 8, name="w2")
 
 
 def test_a_range_that_cuts_a_tile_is_rejected_naming_the_tensor():
@@ -76,7 +76,7 @@ def test_local_block_ids_keep_each_tile_on_one_device(world):
     table = piece_table(layout)
     holder: dict[tuple[str, int], int] = {}  # (tensor, global block) -> device
     for rank in range(world):
-        ids, count = local_block_ids(layout, rank)
+        ids, count = local_tile_ids(layout, rank)
         np.testing.assert_array_equal(_ids_from_pieces(table, rank, layout.shard_size),
                                       np.where(ids < 0, table.count, ids))
         assert count <= table.count
@@ -85,7 +85,7 @@ def test_local_block_ids_keep_each_tile_on_one_device(world):
             slot = layout.slot(p.name)
             local = ids[p.local_offset:p.local_offset + p.stop - p.start]
             seen |= set(local.tolist())
-            glob = _tile_of_every_element(slot.shape, quant_block(slot.shape))[p.start:p.stop]
+            glob = _tile_of_every_element(slot.shape, quant_tile(slot.shape))[p.start:p.stop]
             # local ids are a relabelling of the global blocks: same partition of the elements
             pairs = set(zip(glob.tolist(), local.tolist()))
             assert len(pairs) == len(set(glob.tolist())) == len(set(local.tolist()))

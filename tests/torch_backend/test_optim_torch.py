@@ -23,7 +23,7 @@ import torch_backend  # noqa: F401  (installs the DTensor hooks before distribut
 from tests.numpy_references import assert_tracks_fp32_adamw, newton_schulz_closed_form
 from torch_backend import RaggedShard
 from torch_backend.optim import Adam8bit, Muon, newton_schulz
-from torch_backend.optim._adam8bit import from_blocks, to_blocks
+from torch_backend.optim._adam8bit import from_tiles, to_tiles
 
 WORLDS = (1, 2, 3, 4)
 # name, shape, granularity: two tiled matrices, a matrix the tile does not divide, a 1-D tensor
@@ -172,12 +172,12 @@ def test_placements_that_can_cut_blocks_are_rejected_naming_the_parameter():
 @pytest.mark.parametrize("shape,band", [((96, 64), 32 * 64), ((6, 40), 40), ((7,), 1)])
 def test_to_blocks_follows_the_core_block_ids(shape, band):
     for start, stop in [(0, 3 * band), (band, 3 * band), (2 * band, 3 * band)]:
-        blocks = to_blocks(torch.arange(start, stop), shape, ragged.TILE)
-        ids = ragged.block_ids(shape, start, stop)
+        blocks = to_tiles(torch.arange(start, stop), shape, ragged.TILE)
+        ids = ragged.tile_ids(shape, start, stop)
         for b in range(blocks.shape[0]):
             want = np.flatnonzero(ids == b) + start
             assert sorted(blocks[b].tolist()) == want.tolist()
-        assert torch.equal(from_blocks(blocks, shape, ragged.TILE), torch.arange(start, stop))
+        assert torch.equal(from_tiles(blocks, shape, ragged.TILE), torch.arange(start, stop))
 
 
 def test_adam8bit_tracks_fp32_adamw_on_a_regression_problem():

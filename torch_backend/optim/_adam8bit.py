@@ -1,14 +1,14 @@
-"""8-bit blockwise AdamW whose quantization blocks are 32x32 tiles kept whole on one device.
+"""8-bit blockwise AdamW whose quantization tiles are 32x32 tiles kept whole on one device.
 
 The math is plain functions over flat local tensors; ``Adam8bit`` is a thin ``torch.optim.Optimizer``
-shell that owns the state. Blocks come from the core (``ragged.quant_block``, ``ragged.check_tiles_local``):
+shell that owns the state. Blocks come from the core (``ragged.quant_tile``, ``ragged.check_tiles_local``):
 32x32 tiles of matrices the tile divides, one row of other matrices, one element of 1-D tensors (whose
-state so stays at full precision). A local slice is whole bands of blocks, so ``to_blocks`` is a reshape
+state so stays at full precision). A local slice is whole bands of blocks, so ``to_tiles`` is a reshape
 + permute of the local tensor into ``(blocks, block numel)`` in the core's block order, and each device
 quantizes its own blocks with no communication.
 
 Quantization (per block, state stored in block order) uses the core's dynamic codebooks
-(``ragged._codebook``, the same table as the JAX ``adamw8bit``): one fp32 absmax scale per block and a
+(``ragged.codebook``, the same table as the JAX ``adamw8bit``): one fp32 absmax scale per block and a
 uint8 code per element, the nearest entry of
 
 - ``SIGNED`` for the first moment ``m``;
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 import ragged
-from ragged._codebook import BUCKET_SHIFT, SIGNED, UNSIGNED
+from ragged.codebook import BUCKET_SHIFT, SIGNED, UNSIGNED
 from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
 
 Tile = tuple[int, int]
@@ -57,7 +57,7 @@ def quantize(x: torch.Tensor, book: DeviceBook) -> tuple[torch.Tensor, torch.Ten
     """``(blocks, n)`` fp32 -> uint8 codes (nearest ``book`` entry of ``x / absmax``) and the absmax scales.
 
     The code is the number of thresholds ``<= x / absmax``, read from the codebook's buckets (one table
-    look-up and one comparison per element, ``ragged._codebook``). An all-zero block has scale 0 and the
+    look-up and one comparison per element, ``ragged.codebook``). An all-zero block has scale 0 and the
     code of the entry 0.
     """
     scale = x.abs().amax(dim=1)
@@ -100,23 +100,23 @@ def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 # ----- blocks of a local slice -------------------------------------------------------------------
 def _grid(shape: tuple[int, ...], tile: Tile) -> tuple[int, int, int]:
-    """``(block rows, blocks per band, block cols)`` of the core's ``quant_block``."""
-    r, c = ragged.quant_block(shape, tile)
+    """``(block rows, blocks per band, block cols)`` of the core's ``quant_tile``."""
+    r, c = ragged.quant_tile(shape, tile)
     width = shape[-1] if len(shape) >= 2 else 1
     return r, width // c, c
 
 
-def to_blocks(flat: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
+def to_tiles(flat: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
     """A local flat slice of whole bands (``ragged.check_tiles_local``) -> ``(blocks, block numel)``.
 
-    Blocks come out in the core's order (``ragged.block_ids``): bands top to bottom, blocks left to right.
+    Blocks come out in the core's order (``ragged.tile_ids``): bands top to bottom, blocks left to right.
     """
     r, per_band, c = _grid(shape, tile)
     return flat.reshape(-1, r, per_band, c).permute(0, 2, 1, 3).reshape(-1, r * c)
 
 
-def from_blocks(blocks: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
-    """The inverse of ``to_blocks``: ``(blocks, block numel)`` -> the flat local slice."""
+def from_tiles(blocks: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
+    """The inverse of ``to_tiles``: ``(blocks, block numel)`` -> the flat local slice."""
     r, per_band, c = _grid(shape, tile)
     return blocks.reshape(-1, per_band, r, c).permute(0, 2, 1, 3).reshape(-1)
 
@@ -132,7 +132,7 @@ def adam_direction(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, step: i
 
 
 class Adam8bitState(NamedTuple):
-    """One parameter's 8-bit state, in block order (``to_blocks``)."""
+    """One parameter's 8-bit state, in block order (``to_tiles``)."""
 
     m_codes: torch.Tensor  # (blocks, n) uint8
     m_scale: torch.Tensor  # (blocks,) fp32
@@ -174,7 +174,7 @@ class Adam8bit(ParamwiseOptimizer):
         tile: the quantization tile ``(R, C)``.
 
     Raises:
-        ragged.TileError: a placement that cuts a quantization block (e.g. an element-granularity layout
+        ragged.TileError: a placement that cuts a quantization tile (e.g. an element-granularity layout
             of a matrix), raised at construction on every rank, naming the parameter.
 
     Example:
@@ -192,7 +192,7 @@ class Adam8bit(ParamwiseOptimizer):
         shape, tile = tuple(p.shape), group["tile"]
         local, _ = local_slice(p, name)
         grad, _ = local_slice(p.grad, name + ".grad")
-        blocks = to_blocks(grad, shape, tile)
+        blocks = to_tiles(grad, shape, tile)
         state = self.state[p]  # plain tensors under Adam8bitState's field names, so state_dict round-trips
         if not state:
             state.update(step=0, **init_state(blocks.shape[0], blocks.shape[1], local.device)._asdict())
@@ -201,4 +201,4 @@ class Adam8bit(ParamwiseOptimizer):
         direction, new = adam8bit_direction(blocks, current, state["step"], group["betas"], group["eps"])
         state.update(new._asdict())
         local.mul_(1 - group["lr"] * group["weight_decay"])
-        local.add_(from_blocks(direction, shape, tile).to(local.dtype), alpha=-group["lr"])
+        local.add_(from_tiles(direction, shape, tile).to(local.dtype), alpha=-group["lr"])

@@ -79,7 +79,7 @@ def local_numel_shape(placement: Placement, box: Shape, world: int, rank: int) -
     return tuple(box)
 
 
-def holdings(placement: Placement, box: Shape, world: int) -> ragged._redistribute.Holdings:
+def holdings(placement: Placement, box: Shape, world: int) -> ragged.Holdings:
     """The core's holdings of ``placement`` on one mesh dim of ``world`` devices."""
     if isinstance(placement, RaggedShard):
         return ragged.ragged_holdings(placement.core, box)
@@ -195,7 +195,7 @@ def _by_src(t: ragged.Transfer) -> tuple[int, int]:
 
 def _gather(
     flat: torch.Tensor,
-    src_h: ragged._redistribute.Holdings,
+    src_h: ragged.Holdings,
     numel: int,
     group: dist.ProcessGroup,
     rank: int,
