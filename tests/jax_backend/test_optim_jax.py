@@ -101,7 +101,7 @@ def test_adamw8bit_on_shards_gives_the_same_bits_as_on_full_tensors(world):
 
 
 @pytest.mark.parametrize("world", (3, 4))
-def test_block_ids_and_muon_masks_on_each_device_match_the_core(world):
+def test_tile_ids_and_muon_masks_on_each_device_match_the_core(world):
     from ragged._tiles import local_tile_ids
 
     layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in ADAM_SPECS], world, name="unit")

@@ -38,7 +38,7 @@ def test_tile_grid(shape, tile, grid):
 
 
 @pytest.mark.parametrize("shape,tile", [((64, 96), (32, 32)), ((12, 6), (4, 3)), ((3, 8, 6), (4, 2))])
-def test_block_ids_match_brute_force_on_every_band_range(shape, tile):
+def test_tile_ids_match_brute_force_on_every_band_range(shape, tile):
     full = _tile_of_every_element(shape, tile)
     band, numel = tile[0] * shape[-1], math.prod(shape)
     for start in range(0, numel, band):
@@ -69,7 +69,7 @@ def test_a_range_that_cuts_a_tile_is_rejected_naming_the_tensor():
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_local_block_ids_keep_each_tile_on_one_device(world):
+def test_local_tile_ids_keep_each_tile_on_one_device(world):
     specs = [ragged.TensorSpec("a", (96, 64), "tiles:32x32"), ragged.TensorSpec("n", (64,), "element"),
              ragged.TensorSpec("b", (64, 32), "tiles:32x32"), ragged.TensorSpec("c", (40, 8), "rows:1")]
     layout = ragged.plan(specs, world)

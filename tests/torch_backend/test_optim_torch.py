@@ -170,7 +170,7 @@ def test_placements_that_can_cut_blocks_are_rejected_naming_the_parameter():
 
 
 @pytest.mark.parametrize("shape,band", [((96, 64), 32 * 64), ((6, 40), 40), ((7,), 1)])
-def test_to_blocks_follows_the_core_block_ids(shape, band):
+def test_to_tiles_follows_the_core_tile_ids(shape, band):
     for start, stop in [(0, 3 * band), (band, 3 * band), (2 * band, 3 * band)]:
         blocks = to_tiles(torch.arange(start, stop), shape, ragged.TILE)
         ids = ragged.tile_ids(shape, start, stop)
