@@ -158,8 +158,8 @@ def _build(name: str, kind: str, mesh):
         parallelize(model, **ours)
     elif name == "llama":
         fsdp2_fully_shard(model.tok_embeddings, **theirs)
-        for block in model.layers:
-            fsdp2_fully_shard(block, **theirs)
+        for layer in model.layers:
+            fsdp2_fully_shard(layer, **theirs)
         fsdp2_fully_shard([model.norm, model.output], **theirs)
         fsdp2_fully_shard(model, **theirs)
     else:

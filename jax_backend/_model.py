@@ -77,7 +77,7 @@ _MARKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # by id: m
 
 
 def fully_shard(module: nnx.Module) -> nnx.Module:
-    """Mark ``module`` as an FSDP unit, as torch's ``fully_shard(block)`` does; ``shard_model(model, mesh)``
+    """Mark ``module`` as an FSDP unit, as torch's ``fully_shard(layer)`` does; ``shard_model(model, mesh)``
     without ``units`` makes every marked submodule a unit. Returns ``module``.
 
     The mark is on the module object: mark the modules of the model you pass to ``shard_model``.
@@ -365,7 +365,7 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
 
     Example (NNX; the model may be abstract, from ``nnx.eval_shape``)::
 
-        fsdp = shard_model(model, mesh, units="blocks.*", remat=True)
+        fsdp = shard_model(model, mesh, units="layers.*", remat=True)
         buffers = fsdp.init_params(lambda: MyModel(rngs=nnx.Rngs(0)))  # or fsdp.shard_params(model)
         step = fsdp.train_step(optax.adamw(1e-3), loss_fn)
 

@@ -305,8 +305,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         ValueError / TypeError: bad module, mesh or parameters, raised on every rank before communicating.
 
     Example:
-        >>> for block in model.layers:
-        ...     fully_shard(block, mesh=mesh)
+        >>> for layer in model.layers:
+        ...     fully_shard(layer, mesh=mesh)
         >>> fully_shard([model.norm, model.output], mesh=mesh)
         >>> fully_shard(model, mesh=mesh)
     """

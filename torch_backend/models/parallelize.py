@@ -26,8 +26,8 @@ def parallelize(model: Llama, mesh: DeviceMesh, *, reshard_after_forward: bool =
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                   granularity=granularity)
     fully_shard(model.tok_embeddings, **kwargs)
-    for block in model.layers:
-        fully_shard(block, **kwargs)
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
     fully_shard([model.norm, model.output], **kwargs)
     fully_shard(model, **kwargs)
     return model
