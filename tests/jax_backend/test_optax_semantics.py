@@ -210,7 +210,7 @@ def test_layout_aware_optimizers_pass_only_when_marked():
     fsdp = FSDP(make_mesh((4,), ("fsdp",)), (layout,), (Stage("unit", lambda p, h: h),))
     tx = adamw8bit(1e-3, tiles=shard_tiles(fsdp.layouts, fsdp.axis))
     buffers = fsdp.shard_params({"w": jnp.ones((64, 32))})
-    with pytest.raises(UnsupportedOptimizerError, match=r"blocks are given for the units.*on_shards\(tx\)"):
+    with pytest.raises(UnsupportedOptimizerError, match=r"tiles are given for the units.*on_shards\(tx\)"):
         fsdp.init(tx, buffers)
     state = fsdp.init(on_shards(tx), buffers)
     assert state[0].m_codes["unit"].shape == (layout.total_numel,)  # 8-bit codes on the unit's shards
