@@ -76,6 +76,8 @@ def _unit_tensors(unit: Any, rule: GranularityRule | None) -> tuple[str, list[tu
     """``(name, [(fqn, shape, granularity or None), ...])`` of a unit given as ``UnitShapes``, ``UnitSpecs``
     or a ``(name, tensors)`` pair; None means the default rule (it depends on the shape only), so the
     61 layers of a large MoE model cost no spec building but their first's."""
+    if rule is None and isinstance(unit, UnitShapes):  # a preset's unit: shapes are tuples already
+        return unit.name, [(fqn, shape, None) for fqn, shape in unit.tensors]
     if isinstance(unit, (UnitShapes, UnitSpecs)):
         name, tensors = unit.name, unit.tensors
     elif isinstance(unit, Sequence) and len(unit) == 2 and isinstance(unit[0], str):
