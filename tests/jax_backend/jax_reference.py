@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from any_models import train_reference as train_pytree
 from flax import nnx
 
-from jax_backend import FSDP, flatten_params
+from jax_backend import FSDP
 from jax_backend.models import Llama, cross_entropy, model_params
 
 STEPS = 10
@@ -26,24 +27,13 @@ def train_reference(model: Llama, batches: np.ndarray, compute_dtype=None,
     """Single-device training (AdamW unless ``opt``); with ``compute_dtype`` the forward runs on a cast
     copy of fp32 masters."""
     graphdef, params = nnx.split(model, nnx.Param)
-    opt = opt or adamw()
 
-    def loss_fn(p, x, y):
+    def apply(p, x):
         if compute_dtype is not None:
             p = jax.tree.map(lambda a: a.astype(compute_dtype), p)
-        return cross_entropy(nnx.merge(graphdef, p)(x), y)
+        return nnx.merge(graphdef, p)(x)
 
-    @jax.jit
-    def step(p, s, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
-        updates, s = opt.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    state, losses = opt.init(params), []
-    for b in batches:
-        params, state, loss = step(params, state, b[:, :-1], b[:, 1:])
-        losses.append(float(loss))
-    return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}
+    return train_pytree(apply, params, cross_entropy, batches, opt or adamw())
 
 
 def run_fsdp(fsdp: FSDP, model: Llama, batches: np.ndarray,
