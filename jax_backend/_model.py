@@ -5,8 +5,9 @@ The user names the units; every parameter outside them goes to a root unit. Insi
 
 - NNX: each unit submodule's ``__call__`` is intercepted on the step's copy of the model. The call
   gathers the unit, binds the gathered arrays into the submodule's variables and runs the original
-  ``__call__`` (with ``remat`` as a custom VJP that re-gathers in the backward, so one unit is unsharded
-  at a time). Parameters of other units are placeholders there that raise ``UnitError`` when read.
+  ``__call__`` (with ``reshard_after_forward`` or ``remat`` as a custom VJP that re-gathers in the
+  backward, so one unit is unsharded at a time). Parameters of other units are placeholders there that
+  raise ``UnitError`` when read.
 - Pure functions: ``apply(params, x)`` gets a params pytree whose unit subtrees are gathered on first
   access (dicts, lists and tuples are read-only views until then).
 
@@ -223,7 +224,7 @@ class _NnxModel:
 def _call_unit(units: Units, unit: str, module: nnx.Module, args: tuple, kwargs: dict) -> Any:
     """Run ``module(*args, **kwargs)`` with unit ``unit`` gathered: the unit's params, the other values
     the submodule holds (root-owned shared params, non-param state) and the array arguments go in as
-    explicit inputs, so the call can be a custom VJP (remat)."""
+    explicit inputs, so the call can be a custom VJP (re-gathering in the backward)."""
     graphdef, state = nnx.split(module)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     own = {i: leaf.name for i, leaf in enumerate(leaves) if isinstance(leaf, _Sharded) and leaf.unit == unit}
@@ -360,7 +361,7 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
                 axis: str = "fsdp", replica_axis: str | None = None,
                 granularity: GranularityRule | Granularity | int | str = "rows:1",
                 mp_policy: MixedPrecisionPolicy | None = None, remat: bool = False, root: str = "root",
-                layouts: Sequence[Layout] | None = None) -> FSDP:
+                layouts: Sequence[Layout] | None = None, reshard_after_forward: bool | None = None) -> FSDP:
     """FSDP for your own model: plan its units and return the ``FSDP`` runtime that runs its forward.
 
     Example (NNX; the model may be abstract, from ``nnx.eval_shape``)::
@@ -383,6 +384,9 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
         mp_policy: mixed precision; ``None`` computes and reduces in the master dtype.
         remat: NNX only: re-gather each unit in its backward and recompute its activations there, so one
             unit is unsharded at a time (the unit's call may then read only its own module and arguments).
+        reshard_after_forward: NNX only: free each unit's gathered parameters after its call and re-gather
+            them in its backward, keeping its activations (FSDP2's option; recomputes no arithmetic).
+            ``None``: as ``remat``, which implies it.
         layouts: pre-planned Layouts (e.g. a core preset's order); their units must own the same
             parameters.
 
@@ -396,9 +400,10 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
         if params is None:
             raise UnitError("a pure-function model needs its params pytree: "
                             "shard_model(apply, mesh, params=..., units=...)")
-        if remat:
-            raise UnitError("remat=True needs unit calls to re-run: use an NNX module (pure functions gather "
-                            "each unit on first use and keep it for the backward)")
+        if remat or reshard_after_forward:
+            option = "remat" if remat else "reshard_after_forward"
+            raise UnitError(f"{option}=True needs unit calls to re-gather in: use an NNX module (pure "
+                            "functions gather each unit on first use and keep it for the backward)")
         if units is None:
             raise UnitError("a pure-function model needs units=: pytree path prefixes such as 'layers.0'")
         wrapped = _FunctionModel(model, params, units, root)
@@ -415,4 +420,4 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: Any = None, 
                                   f"{want.get(bad[0])} in the model, {got.get(bad[0])} in the layouts")
     return FSDP(mesh, tuple(layouts), axis=axis, replica_axis=replica_axis,
                 mp_policy=mp_policy or MixedPrecisionPolicy(),
-                remat=remat, model=wrapped)
+                remat=remat, model=wrapped, reshard_after_forward=reshard_after_forward)

@@ -10,11 +10,13 @@ its own shard. The optax update then runs on the local shards with optax's resul
 pytree (``shard_optimizer``: element-wise optimizers as they are, since padding stays zero; masks, labels
 and norms on each device's pieces of every parameter).
 
-Only the units in use are unsharded. With ``remat=True`` each stage is a custom VJP that keeps just the
-shard and the stage input: its backward gathers the unit again, runs the stage's VJP (recomputing its
-activations) and reduce-scatters (``reshard_after_forward`` in FSDP2's words). With ``remat=False`` the
-gathered buffers are kept from the forward for the backward, as FSDP2 does with
-``reshard_after_forward=False``.
+Only the units in use are unsharded. Three ways to keep a unit for its backward:
+``reshard_after_forward=False`` (the default) keeps the gathered buffer from the forward, as FSDP2 does with
+that option. ``reshard_after_forward=True`` frees it after the unit's forward: a ``jax.checkpoint`` whose
+policy saves every activation but the gathered parameters, so the backward re-gathers the unit and
+recomputes no arithmetic (FSDP2's ``reshard_after_forward=True``). ``remat=True`` keeps just the shard and
+the stage input: the backward gathers the unit again and recomputes its activations too (FSDP2's option
+with activation checkpointing of every unit).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -99,12 +102,22 @@ gather_unit.defvjp(lambda shard, comm: (_all_gather(shard, comm), None),
                    lambda comm, _, grad: (_reduce_scatter(grad, comm),))
 
 
+def _depend_on(shard: jax.Array, grad: Any) -> jax.Array:
+    """``shard`` plus a (signed) zero taken from ``grad``, NaN-safe: a re-gather of the shard in the backward
+    then depends on the incoming gradient. Otherwise XLA sees the forward's identical all-gather and merges
+    the two (XLA:CPU drops optimization barriers first), which would keep every unit unsharded from its
+    forward to its backward."""
+    first = jax.tree.leaves(grad)[0].ravel()[0]
+    return shard + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(shard.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def run_resharded(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Array, h: Any) -> Any:
     """``apply(unit params, h)`` on the gathered unit, keeping only ``(shard, h)`` for the backward.
 
-    The backward gathers the unit again, runs the stage's VJP and reduce-scatters: the unsharded buffer
-    lives during this stage's forward and its backward only (``reshard_after_forward``).
+    The backward gathers the unit again, runs the stage's VJP (recomputing its activations) and
+    reduce-scatters: the unsharded buffer lives during this stage's forward and its backward only
+    (``remat``).
     """
     return apply(unpack_unit(_all_gather(shard, comm), layout), h)
 
@@ -115,12 +128,8 @@ def _resharded_fwd(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Arra
 
 def _resharded_bwd(apply: Callable, layout: Layout, comm: _Comm, res: tuple, grad: Any) -> tuple:
     shard, h = res
-    # Make the re-gather depend on the incoming gradient. Otherwise XLA sees the forward's identical
-    # all-gather and merges the two (XLA:CPU drops optimization barriers first), which would keep every
-    # unit unsharded from its forward to its backward. The added value is a (signed) zero, NaN-safe.
-    first = jax.tree.leaves(grad)[0].ravel()[0]
-    shard = shard + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(shard.dtype)
-    _, vjp = jax.vjp(lambda full, x: apply(unpack_unit(full, layout), x), _all_gather(shard, comm), h)
+    _, vjp = jax.vjp(lambda full, x: apply(unpack_unit(full, layout), x),
+                     _all_gather(_depend_on(shard, grad), comm), h)
     full_grad, h_grad = vjp(grad)
     return _reduce_scatter(full_grad, comm), h_grad
 
@@ -128,12 +137,76 @@ def _resharded_bwd(apply: Callable, layout: Layout, comm: _Comm, res: tuple, gra
 run_resharded.defvjp(_resharded_fwd, _resharded_bwd)
 
 
+_UNIT_SHARD = "ragged_fsdp_unit_shard"
+# Saving these would keep a copy of the gathered parameters (a slice, a reshape, ``w.T``, a cast), so the
+# backward recomputes them from the re-gathered unit; they move bytes and compute nothing.
+_RECOMPUTED = frozenset({"all_gather", "slice", "reshape", "transpose", "convert_element_type", "squeeze",
+                         "expand_dims", "broadcast_in_dim", "copy", "copy_p"})
+
+
+def _save_activations(prim: Any, *_: Any, **params: Any) -> bool:
+    """``jax.checkpoint`` policy: save every value of the unit's forward but its shard's gather and the
+    layout ops above, so the backward re-gathers the unit and recomputes no arithmetic."""
+    if prim.name == "name":
+        return params["name"] != _UNIT_SHARD
+    return prim.name not in _RECOMPUTED
+
+
+def _residual_as_argument(vjp: Any, leaf: jax.Array) -> jax.tree_util.Partial:
+    """``vjp`` (a pytree over its residuals) as ``f(new_leaf, grad)``: the residuals that are ``leaf`` (none
+    when the backward needs no parameter, e.g. an embedding's) are replaced by ``new_leaf`` when it runs."""
+    leaves, treedef = jax.tree_util.tree_flatten(vjp)
+    where = {i for i, x in enumerate(leaves) if x is leaf}
+
+    def call(*args: Any) -> Any:
+        *rest, new_leaf, grad = args
+        for i in sorted(where):
+            rest.insert(i, new_leaf)
+        return jax.tree_util.tree_unflatten(treedef, rest)(grad)
+
+    return jax.tree_util.Partial(call, *(x for i, x in enumerate(leaves) if i not in where))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def run_keeping_activations(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Array, h: Any) -> Any:
+    """``apply(unit params, h)`` on the gathered unit, keeping its activations but not the gathered unit.
+
+    The forward is ``jax.checkpoint`` of gather and ``apply`` with a policy that saves every value but the
+    gather and the layout ops on the parameters (``_save_activations``), so the backward re-gathers the unit
+    and runs the stage's VJP on the saved activations (FSDP2's ``reshard_after_forward=True``). This custom
+    VJP around it hands that backward the shard as ``_depend_on(shard, grad)``: given the forward's shard,
+    the two all-gathers would be identical and XLA would merge them.
+    """
+    return apply(unpack_unit(_all_gather(shard, comm), layout), h)
+
+
+def _checkpointed(apply: Callable, layout: Layout, comm: _Comm) -> Callable:
+    def forward(shard: jax.Array, h: Any) -> Any:
+        return apply(unpack_unit(gather_unit(checkpoint_name(shard, _UNIT_SHARD), comm), layout), h)
+
+    return jax.checkpoint(forward, policy=_save_activations)
+
+
+def _keeping_fwd(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Array, h: Any) -> tuple:
+    out, vjp = jax.vjp(_checkpointed(apply, layout, comm), shard, h)
+    return out, (shard, _residual_as_argument(vjp, shard))
+
+
+def _keeping_bwd(apply: Callable, layout: Layout, comm: _Comm, res: tuple, grad: Any) -> tuple:
+    shard, vjp = res
+    return vjp(_depend_on(shard, grad), grad)
+
+
+run_keeping_activations.defvjp(_keeping_fwd, _keeping_bwd)
+
+
 class Units:
     """The unit buffers of one forward inside ``shard_map``: gathers a unit where it is used.
 
     ``gather(unit)`` returns the unit's ``{fqn: array}`` (the all-gather's VJP reduce-scatters the
     gradient); ``call(unit, apply, h)`` runs ``apply({fqn: array}, h)`` on the gathered unit, re-gathering
-    it in the backward when ``remat`` is set (then ``apply`` must read nothing but its arguments).
+    it in the backward under ``reshard_after_forward`` or ``remat`` (then ``apply`` must read nothing but
+    its arguments).
     """
 
     def __init__(self, fsdp: FSDP, local: Mapping[str, jax.Array]):
@@ -151,6 +224,8 @@ class Units:
     def call(self, unit: str, apply: Callable[[Mapping[str, jax.Array], Any], Any], h: Any) -> Any:
         if self.fsdp.remat:
             return run_resharded(apply, self.layouts[unit], self._comm(unit), self.local[unit], h)
+        if self.fsdp.reshard_after_forward:
+            return run_keeping_activations(apply, self.layouts[unit], self._comm(unit), self.local[unit], h)
         return apply(self.gather(unit), h)
 
 
@@ -178,7 +253,10 @@ class FSDP:
         axis: the mesh axis the buffers are sharded over.
         replica_axis: for HSDP, the mesh axis the shards are replicated over (gradients all-reduced).
         mp_policy: mixed precision (compute and reduce dtypes).
-        remat: re-gather each unit in the backward instead of keeping it from the forward.
+        remat: keep only each unit's shard and input from its forward; the backward re-gathers the unit
+            and recomputes its activations (implies ``reshard_after_forward``).
+        reshard_after_forward: free each unit's gathered parameters after its forward and re-gather them in
+            its backward, keeping its activations (FSDP2's option of that name); ``None``: as ``remat``.
         model: the user's model as ``shard_model`` wraps it: ``model.forward(units, inputs)`` runs it on
             gathered units, ``model.tree`` is its parameter pytree (``jax.ShapeDtypeStruct`` leaves) and
             ``model.fqns`` the FQN of each of its leaves, in flattening order (the Layouts' names).
@@ -196,8 +274,14 @@ class FSDP:
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     remat: bool = False
     model: Any = None
+    reshard_after_forward: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.reshard_after_forward is None:
+            object.__setattr__(self, "reshard_after_forward", self.remat)
+        if self.remat and not self.reshard_after_forward:
+            raise ValueError("remat=True re-gathers each unit in its backward (it keeps only the shard and "
+                             "the unit's input); it cannot be combined with reshard_after_forward=False")
         object.__setattr__(self, "layouts", tuple(self.layouts))
         object.__setattr__(self, "stages", tuple(self.stages))
         check_mesh(self.mesh, self.layouts, self.axis, self.replica_axis)

@@ -56,7 +56,7 @@ def llama_stages(model: Llama) -> tuple[Stage, ...]:
 def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: str | None = None,
                 granularity: GranularityRule | Granularity | int | str = "rows:1",
                 mp_policy: MixedPrecisionPolicy | None = None, remat: bool = False,
-                preset: str = "llama-tiny") -> FSDP:
+                reshard_after_forward: bool | None = None, preset: str = "llama-tiny") -> FSDP:
     """Plan ``model``'s FSDP units for ``mesh.shape[axis]`` devices and return the ``FSDP`` runtime.
 
     Example:
@@ -70,7 +70,10 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
         mesh: the device mesh; ``axis`` shards, ``replica_axis`` (HSDP) replicates.
         granularity: ``(fqn, shape) -> granularity`` or one granularity for every matrix.
         mp_policy: mixed precision; ``None`` computes and reduces in the master dtype.
-        remat: re-gather each unit in the backward (keeps one unit unsharded at a time).
+        remat: re-gather each unit in the backward and recompute its activations (keeps one unit
+            unsharded at a time).
+        reshard_after_forward: re-gather each unit in the backward but keep its activations; ``None``: as
+            ``remat``.
         preset: the name of the core's units (``ragged.llama_shapes(preset, model.config)``), whose
             tensor order is planned.
 
@@ -91,4 +94,5 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
     check_mesh(mesh, (), axis, replica_axis)  # the axes must exist before the planner reads their size
     layouts = ragged.plan_model(units, mesh.shape[axis], granularity)
     return shard_model(model, mesh, units=["tok_embeddings", "layers.*"], root="output", layouts=layouts,
-                       axis=axis, replica_axis=replica_axis, mp_policy=mp_policy, remat=remat)
+                       axis=axis, replica_axis=replica_axis, mp_policy=mp_policy, remat=remat,
+                       reshard_after_forward=reshard_after_forward)

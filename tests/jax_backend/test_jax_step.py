@@ -13,15 +13,18 @@ from jax_backend import FSDP, LayoutMismatchError, MixedPrecisionPolicy, make_me
 from jax_backend.models import cross_entropy, llama_stages, model_params, parallelize
 from ragged import model_shapes, plan_model
 
+MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
 
-# remat alternates so that both ways of keeping units unsharded are trained at several sizes; at 3 and 4
-# devices the forward is the hand-written chain of stages instead of the model's own __call__.
-@pytest.mark.parametrize("n, remat, stages", [(1, False, False), (2, True, False), (3, False, True),
-                                              (4, True, True), (8, False, False)])
-def test_fsdp_matches_single_device(model, batches, reference, n, remat, stages):
-    fsdp = parallelize(model, make_mesh((n,), ("fsdp",)), remat=remat)
+
+# The three ways of keeping units for the backward (kept gathered, resharded after forward, remat)
+# alternate, so each is trained at several sizes; at 3 and 4 devices the forward is the hand-written chain
+# of stages instead of the model's own __call__.
+@pytest.mark.parametrize("n, mode, stages", [(1, "keep", False), (2, "remat", False), (3, "reshard", True),
+                                             (4, "remat", True), (8, "reshard", False)])
+def test_fsdp_matches_single_device(model, batches, reference, n, mode, stages):
+    fsdp = parallelize(model, make_mesh((n,), ("fsdp",)), **MODES[mode])
     if stages:
-        fsdp = FSDP(fsdp.mesh, fsdp.layouts, llama_stages(model), remat=remat)
+        fsdp = FSDP(fsdp.mesh, fsdp.layouts, llama_stages(model), **MODES[mode])
     losses, params = train_fsdp(fsdp, model, batches)
     ref_losses, ref_params = reference
     assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
@@ -39,9 +42,10 @@ def test_hsdp_2x2_matches_single_device(model, batches, reference):
 
 
 def test_bf16_compute_matches_bf16_reference(model, batches):
-    """bf16 gathers and compute, fp32 reduce and masters: within bf16 tolerance of the unsharded recipe."""
+    """bf16 gathers and compute, fp32 reduce and masters: within bf16 tolerance of the unsharded recipe
+    (resharded after forward: the backward re-gathers the bf16 unit from the fp32 shard)."""
     policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
-    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), mp_policy=policy)
+    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), mp_policy=policy, reshard_after_forward=True)
     losses, params = train_fsdp(fsdp, model, batches[:4])
     ref_losses, ref_params = train_reference(model, batches[:4], compute_dtype=jnp.bfloat16)
     assert rel_err(losses, ref_losses) <= 1e-2, (losses, ref_losses)
@@ -49,30 +53,34 @@ def test_bf16_compute_matches_bf16_reference(model, batches):
     assert all(v.dtype == np.float32 for v in params.values())  # masters stay fp32
 
 
-def test_one_gather_and_one_reduce_scatter_per_unit_and_remat_frees_units(model, batches):
-    """In the compiled program: one all-gather per unit without remat; with remat every block is gathered
-    again in its backward, and the temporary memory drops by more than two blocks' unsharded buffers.
-    One reduce-scatter per unit either way, and the only all-reduce is the reported loss."""
+def test_one_gather_and_one_reduce_scatter_per_unit_and_reshard_frees_units(model, batches):
+    """In the compiled program: one all-gather per unit kept gathered; resharded after forward (and with
+    remat) every block is gathered again in its backward, and the temporary memory drops by more than two
+    blocks' unsharded buffers, with no recomputed dot (remat recomputes the blocks' dots). One
+    reduce-scatter per unit either way, and the only all-reduce is the reported loss."""
     mesh = make_mesh((2,), ("fsdp",))
     units, blocks = 2 + model.config.n_layers, model.config.n_layers
-    temp = {}
-    for remat in (False, True):
-        fsdp = parallelize(model, mesh, remat=remat)
+    temp, dots = {}, {}
+    for name, mode in MODES.items():
+        fsdp = parallelize(model, mesh, **mode)
         buffers = fsdp.shard_params(model_params(model))
         state = fsdp.init(optax.sgd(0.1), buffers)
         b = batches[0]
         step = fsdp.train_step(optax.sgd(0.1), cross_entropy)
         compiled = step.lower(buffers, state, b[:, :-1], b[:, 1:]).compile()
-        ops = [ln.split("=", 1)[1] for ln in compiled.as_text().splitlines() if "=" in ln]
+        text = compiled.as_text()
+        ops = [ln.split("=", 1)[1] for ln in text.splitlines() if "=" in ln]
         gathers = [op for op in ops if " all-gather(" in op]
         block_size = fsdp.layouts[1].total_numel
-        assert sum(f"f32[{block_size}]" in op for op in gathers) == (2 if remat else 1) * blocks
+        assert sum(f"f32[{block_size}]" in op for op in gathers) == (1 if name == "keep" else 2) * blocks
         assert sum(" reduce-scatter(" in op for op in ops) == units
         # Each unit's gradient is packed once (unpack_unit's VJP), not summed from one pad per tensor.
         assert not [op for op in ops if f"f32[{block_size}]" in op and " pad(" in op]
         assert sum(" all-reduce(" in op for op in ops) == 1
-        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
-    assert temp[True] + 2 * 4 * block_size < temp[False], temp
+        temp[name], dots[name] = compiled.memory_analysis().temp_size_in_bytes, text.count(" dot(")
+    assert dots["reshard"] == dots["keep"] < dots["remat"], dots
+    assert temp["reshard"] + 2 * 4 * block_size < temp["keep"], temp
+    assert temp["remat"] < temp["reshard"], temp
 
 
 def test_unpack_unit_vjp_places_each_gradient_at_its_offset():

@@ -74,19 +74,22 @@ def is_block(path: str, module: nnx.Module) -> bool:
     return isinstance(module, MoEBlock)
 
 
+MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
+
+
 # The units are named in each of the three ways (paths, a predicate, fully_shard marks); the tied head is
-# a unit of its own in some runs (its table then stays in the root, read inside the head's call); remat
-# alternates, so both ways of keeping units are trained at several sizes.
-@pytest.mark.parametrize("mesh_key, units, remat", [
-    (1, "blocks.*", False), (3, ["blocks.*", "head"], True), (4, "fully_shard", False),
-    (8, is_block, True), ("2x4", ["blocks.*", "head"], True)])
-def test_nnx_moe_matches_single_device(moe, data, moe_reference, mesh_key, units, remat):
+# a unit of its own in some runs (its table then stays in the root, read inside the head's call); the
+# three ways of keeping units for the backward (keep gathered, reshard after forward, remat) alternate.
+@pytest.mark.parametrize("mesh_key, units, mode", [
+    (1, "blocks.*", "keep"), (3, ["blocks.*", "head"], "remat"), (4, "fully_shard", "keep"),
+    (8, is_block, "reshard"), ("2x4", ["blocks.*", "head"], "reshard")])
+def test_nnx_moe_matches_single_device(moe, data, moe_reference, mesh_key, units, mode):
     if units == "fully_shard":  # a fresh model (same seed), its blocks and head marked as torch users do
         moe, units = MoE(nnx.Rngs(0)), None
         for block in moe.blocks:
             fully_shard(block)
         fully_shard(moe.head)
-    fsdp = shard(moe, mesh_key, units=units, remat=remat)
+    fsdp = shard(moe, mesh_key, units=units, **MODES[mode])
     assert len(fsdp.layouts) == 1 + BLOCKS + (units != "blocks.*" and units is not is_block)
     assert "embed.embedding" in [t.name for t in fsdp.layouts[0].tensors]  # the tied table: root
     losses, params, (aux,) = train(fsdp, moe, moe_loss, data)
@@ -129,32 +132,37 @@ def test_sharded_init_equals_the_unsharded_init_and_holds_one_unit_at_a_time():
     assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
-def test_compiled_step_keeps_one_unit_unsharded_with_remat_and_less_temp_than_gspmd(moe, data):
-    """The compiled step at 4 devices: without remat one all-gather per unit; with remat each block and the
-    head are gathered again in their backward and the temporary memory drops by more than two blocks'
-    unsharded buffers, below GSPMD FSDP's on the same model."""
+def test_compiled_step_reshards_units_after_forward_and_uses_less_temp_than_gspmd(moe, data):
+    """The compiled step at 4 devices: kept gathered, one all-gather per unit; resharded after forward (and
+    with remat), each block and the head are gathered again in their backward. Reshard after forward
+    recomputes no dot (as many as kept gathered; remat has more) and its temporary memory drops by more
+    than two blocks' unsharded buffers, below GSPMD FSDP's on the same model; remat's drops further."""
     b, opt = data[0], adamw()
-    temp = {}
-    for remat in (False, True):
-        fsdp = shard(moe, 4, units=["blocks.*", "head"], remat=remat)
+    temp, dots = {}, {}
+    for name, mode in MODES.items():
+        fsdp = shard(moe, 4, units=["blocks.*", "head"], **mode)
         buffers = fsdp.shard_params(moe)
         compiled = fsdp.train_step(opt, moe_loss).lower(buffers, fsdp.init(opt, buffers), b[:, :-1],
                                                          b[:, 1:]).compile()
-        ops = [ln.split("=", 1)[1] for ln in compiled.as_text().splitlines() if "=" in ln]
+        text = compiled.as_text()
+        ops = [ln.split("=", 1)[1] for ln in text.splitlines() if "=" in ln]
         want = {}  # all-gathers per buffer size (the three blocks have one size)
         for lay in fsdp.layouts:
-            want[lay.total_numel] = want.get(lay.total_numel, 0) + (2 if remat and lay.name != "root" else 1)
+            again = name != "keep" and lay.name != "root"
+            want[lay.total_numel] = want.get(lay.total_numel, 0) + (2 if again else 1)
         got = {size: sum(f"f32[{size}]" in op and " all-gather(" in op for op in ops) for size in want}
-        assert got == want, (remat, got, want)
+        assert got == want, (name, got, want)
         assert sum(" reduce-scatter(" in op for op in ops) == len(fsdp.layouts)
-        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+        temp[name], dots[name] = compiled.memory_analysis().temp_size_in_bytes, text.count(" dot(")
     block_bytes = 4 * fsdp.layouts[1].total_numel
-    assert temp[True] + 2 * block_bytes < temp[False], temp
+    assert dots["reshard"] == dots["keep"] < dots["remat"], dots
+    assert temp["reshard"] + 2 * block_bytes < temp["keep"], temp
+    assert temp["remat"] < temp["reshard"], temp
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     step, params, state = gspmd_step(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, moe_loss,
                                      make_mesh((4,), ("fsdp",)), opt)
     gspmd = step.lower(params, state, b[:, :-1], b[:, 1:]).compile().memory_analysis().temp_size_in_bytes
-    assert temp[True] <= gspmd, (temp, gspmd)
+    assert temp["remat"] < temp["reshard"] <= gspmd, (temp, gspmd)
 
 
 class ReadsAnotherUnit(MoE):
@@ -174,6 +182,10 @@ def test_errors_name_the_unit_path_and_size(moe, data):
         shard(moe, 4, units=["blocks.*", "blocks.0.norm"])
     with pytest.raises(UnitError, match=r"unit path 'layer.0' matches no parameter"):
         shard(mlp_apply, 4, params=mlp_params(), units=["layer.0"])
+    with pytest.raises(UnitError, match=r"reshard_after_forward=True needs unit calls"):
+        shard(mlp_apply, 4, params=mlp_params(), units=LAYERS, reshard_after_forward=True)
+    with pytest.raises(ValueError, match=r"cannot be combined with reshard_after_forward=False"):
+        shard(moe, 4, units="blocks.*", remat=True, reshard_after_forward=False)
     bad = ReadsAnotherUnit(nnx.Rngs(0))
     fsdp = shard(bad, 4, units="blocks.*")
     buffers, opt = fsdp.shard_params(bad), adamw()
