@@ -50,7 +50,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from experiments._hlo import collective_bytes, memory  # noqa: E402
+from experiments._hlo import bytes_touched, collective_bytes, memory  # noqa: E402
 from jax_backend import make_mesh, shard_model  # noqa: E402
 from jax_backend.models import Llama, cross_entropy, parallelize  # noqa: E402
 from ragged import LLAMA_TINY, LlamaConfig, llama_shapes  # noqa: E402
@@ -107,12 +107,12 @@ def rows32(name: str, shape: tuple[int, ...]) -> str:
     return "rows:32" if shape[0] % 32 == 0 else "rows:1"
 
 
-def prepare_ours(model, loss_fn, batches, opt, *, remat: bool = False, granularity="rows:1") -> dict:
+def prepare_ours(model, loss_fn, batches, opt, *, granularity="rows:1", **keep) -> dict:
     mesh = make_mesh((DEVICES,), ("fsdp",))
     if isinstance(model, Llama):
-        fsdp = parallelize(model, mesh, remat=remat, granularity=granularity)
+        fsdp = parallelize(model, mesh, granularity=granularity, **keep)
     else:  # what a user writes for their own model
-        fsdp = shard_model(model, mesh, units="blocks.*", remat=remat, granularity=granularity)
+        fsdp = shard_model(model, mesh, units="blocks.*", granularity=granularity, **keep)
     buffers = fsdp.shard_params(model)
     state = fsdp.init(opt, buffers)
     b = batches[0]
@@ -162,8 +162,9 @@ def train_round_robin(runs: dict[str, dict], batches: np.ndarray, rounds: int, w
     """
     names, per_round = list(runs), len(batches) // rounds
     for r in runs.values():
+        hlo = r["compiled"].as_text()
         r.update(step_s=[], round_s=[], cpu_s=[], losses=[], memory=memory(r["compiled"]),
-                 collectives=collective_bytes(r["compiled"].as_text()))
+                 collectives=collective_bytes(hlo), touched=bytes_touched(hlo))
     for k in range(rounds):
         chunk = batches[k * per_round:(k + 1) * per_round]
         for name in names[k % len(names):] + names[:k % len(names)]:
@@ -209,6 +210,7 @@ def summarize(model: str, name: str, r: dict, base: dict) -> dict:
         "reduce_scatter_ops": c["reduce-scatter"]["ops"],
         "all_reduce_bytes": c["all-reduce"]["bytes"], "all_reduce_ops": c["all-reduce"]["ops"],
         "other_collective_bytes": c["collective-permute"]["bytes"] + c["all-to-all"]["bytes"],
+        "dot_bytes": r["touched"]["dot"], "other_bytes": r["touched"]["other"],
         "temp_bytes": r["memory"]["temp"], "argument_bytes": r["memory"]["argument"],
         "padding_elements": r["padding"], "blocks_cut_32": r["blocks_cut_32"],
         "final_loss": r["losses"][-1],
@@ -228,7 +230,10 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
              "per round (median and quartiles), `rounds_faster`: share of rounds where the run beat GSPMD, "
              "`ratio_min_step`: fastest step / GSPMD's fastest step. `cpu_ms_per_step`: process CPU time "
              "(all threads). Collective bytes: results of each kind of op in the compiled per-device "
-             "program, i.e. per device per step. Memory: `memory_analysis()`.", "",
+             "program, i.e. per device per step. `dot_bytes` / `other_bytes`: bytes read plus written per "
+             "device per step by the program's dots and by every other op (copies, slices, concatenates, "
+             "element-wise fusions, collectives), as XLA's cost analysis counts them. Memory: "
+             "`memory_analysis()`.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = (f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values())
@@ -299,6 +304,7 @@ def bench_model(name: str, model, loss_fn, vocab: int, batch: int, args, units, 
     opt = optax.adamw(1e-3, weight_decay=0.1)
     runs = {"gspmd": prepare_gspmd(model, loss_fn, units, batches, opt),
             "ours": prepare_ours(model, loss_fn, batches, opt),
+            "ours_reshard": prepare_ours(model, loss_fn, batches, opt, reshard_after_forward=True),
             "ours_remat": prepare_ours(model, loss_fn, batches, opt, remat=True)}
     if extra:
         runs["ours_rows32"] = prepare_ours(model, loss_fn, batches, opt, granularity=rows32)
@@ -308,38 +314,46 @@ def bench_model(name: str, model, loss_fn, vocab: int, batch: int, args, units, 
 
 
 def statements_for(rows: list[dict], raw: dict, units) -> list[str]:
-    g, o, rm = rows[0], rows[1], rows[2]
+    g, o, rs, rm = rows[:4]
     m = g["model"]
     met = o["ratio_median"] <= 1 and sum(o[k] for k in _COMM) <= sum(g[k] for k in _COMM)
-    met_memory = {r["run"]: r["ratio_median"] <= 1 and r["temp_bytes"] <= g["temp_bytes"] for r in (o, rm)}
-    loss_gap = max(abs(a - b) / abs(b) for a, b in zip(raw["ours"]["losses"], raw["gspmd"]["losses"]))
+    verdict = {r["run"]: "met" if r["ratio_median"] <= 1 and r["temp_bytes"] <= g["temp_bytes"] else "NOT met"
+               for r in (o, rs, rm)}
+    loss_gap = max(abs(a - b) / abs(b) for run in verdict
+                   for a, b in zip(raw[run]["losses"], raw["gspmd"]["losses"]))
     out = [
         f"- **{m}, step time**: ours / GSPMD per round: median {o['ratio_median']:.3f} (IQR "
         f"{o['ratio_q1']:.3f} to {o['ratio_q3']:.3f}), ours faster in {100 * o['rounds_faster']:.0f}% of "
         f"rounds; median steps {o['median_step_ms']:.2f} vs {g['median_step_ms']:.2f} ms; fastest steps "
         f"{o['min_step_ms']:.2f} vs {g['min_step_ms']:.2f} ms (ratio {o['ratio_min_step']:.3f}); CPU per "
-        f"step {o['cpu_ms_per_step']:.0f} vs {g['cpu_ms_per_step']:.0f} ms. With remat: median ratio "
+        f"step {o['cpu_ms_per_step']:.0f} vs {g['cpu_ms_per_step']:.0f} ms. Resharded after forward: median "
+        f"ratio {rs['ratio_median']:.3f} (IQR {rs['ratio_q1']:.3f} to {rs['ratio_q3']:.3f}); with remat: "
         f"{rm['ratio_median']:.3f} (IQR {rm['ratio_q1']:.3f} to {rm['ratio_q3']:.3f}).",
         f"- **{m}, communication** per device per step: all-gathered ours {o['all_gather_bytes']} B vs "
         f"GSPMD {g['all_gather_bytes']} B; all collectives ours {sum(o[k] for k in _COMM)} B "
         f"({o['all_gather_ops'] + o['reduce_scatter_ops'] + o['all_reduce_ops']} ops) vs GSPMD "
         f"{sum(g[k] for k in _COMM)} B ({g['all_gather_ops'] + g['reduce_scatter_ops'] + g['all_reduce_ops']}"
         " ops).",
+        f"- **{m}, bytes touched** per device per step by ops other than dots: GSPMD {g['other_bytes']} B, "
+        + ", ".join(f"{r['run']} {r['other_bytes']} B ({r['other_bytes'] / g['other_bytes'] - 1:+.1%})"
+                    for r in (o, rs, rm))
+        + f"; by the dots {g['dot_bytes']} B in GSPMD, {o['dot_bytes']} B in ours.",
         f"- **{m}, target** (median per-round step ratio <= 1 and no more collective bytes in all): "
         f"{'met' if met else 'NOT met'} in this run. The all-gathered bytes alone are "
         f"{100 * (o['all_gather_bytes'] / g['all_gather_bytes'] - 1):+.2f}% of GSPMD's (the planner's "
         f"{o['padding_elements']} padding elements); GSPMD instead all-reduces every full gradient.",
-        f"- **{m}, step ratio <= 1 and temporary memory <= GSPMD's**: ours "
-        f"{'met' if met_memory['ours'] else 'NOT met'} ({o['ratio_median']:.3f}, {o['temp_bytes']} B), ours "
-        f"with remat {'met' if met_memory['ours_remat'] else 'NOT met'} ({rm['ratio_median']:.3f}, "
-        f"{rm['temp_bytes']} B), GSPMD {g['temp_bytes']} B.",
+        f"- **{m}, step ratio <= 1 and temporary memory <= GSPMD's**: ours {verdict['ours']} "
+        f"({o['ratio_median']:.3f}, {o['temp_bytes']} B), resharded after forward {verdict['ours_reshard']} "
+        f"({rs['ratio_median']:.3f}, {rs['temp_bytes']} B), with remat {verdict['ours_remat']} "
+        f"({rm['ratio_median']:.3f}, {rm['temp_bytes']} B), GSPMD {g['temp_bytes']} B.",
         f"- {m}: compile ours {o['compile_s']:.2f} s vs GSPMD {g['compile_s']:.2f} s; compiled temp memory "
-        f"ours {o['temp_bytes']} B, with remat {rm['temp_bytes']} B, GSPMD {g['temp_bytes']} B; losses "
-        f"agree (largest relative gap {loss_gap:.2e}).",
+        f"ours {o['temp_bytes']} B, resharded after forward {rs['temp_bytes']} B, with remat "
+        f"{rm['temp_bytes']} B, GSPMD {g['temp_bytes']} B; losses agree (largest relative gap of the three "
+        f"runs {loss_gap:.2e}).",
     ]
-    if len(rows) > 3:
+    if len(rows) > 4:
         cut, total = blocks_cut_by_gspmd(units)
-        r32 = rows[3]
+        r32 = rows[4]
         out.append(f"- {m}, 32-row blocks: GSPMD's per-parameter sharding cuts {cut} of {total}; ours with "
                    f"32-row granularity cuts {r32['blocks_cut_32']} (padding {r32['padding_elements']} "
                    "elements).")
@@ -355,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="experiments/results")
     p.add_argument("--eigen-threads", action="store_true",
                    help="keep XLA:CPU's intra-op thread pool (read at import); writes jax_vs_gspmd_eigen.*")
+    p.add_argument("--stem", help="results file name (default jax_vs_gspmd, or jax_vs_gspmd_eigen)")
     args = p.parse_args(argv)
     assert jax.device_count() >= DEVICES, f"needs {DEVICES} devices, found {jax.device_count()}"
     models = {"llama-tiny": (LLAMA_TINY, 32, True), "llama-small": (LLAMA_SMALL, 16, False),
@@ -376,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
             "steps_per_round": args.steps_per_round, "warmup": args.warmup, "jax": jax.__version__,
             "cpus": len(os.sched_getaffinity(0)), "xla_flags": os.environ["XLA_FLAGS"].strip(),
             "statements": statements}
-    stem = "jax_vs_gspmd_eigen" if EIGEN_THREADS else "jax_vs_gspmd"
+    stem = args.stem or ("jax_vs_gspmd_eigen" if EIGEN_THREADS else "jax_vs_gspmd")
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
     write_markdown(out / f"{stem}.md", rows, meta)
     print((out / f"{stem}.md").read_text())
