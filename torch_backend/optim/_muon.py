@@ -195,7 +195,7 @@ class Muon(ParamwiseOptimizer):
         """
         devices = self.ns_devices(p)
         if len(devices) > 1:
-            raise ValueError(f"Muon: the {tuple(p.shape)} matrix is split over devices {devices}, it has no root")
+            raise ValueError(f"Muon: the {tuple(p.shape)} matrix is split over devices {devices}, no root")
         return devices[0]
 
     def newton_schulz_load(self) -> np.ndarray:
@@ -233,13 +233,11 @@ class Muon(ParamwiseOptimizer):
             for p, group, update in whole:
                 self._apply(p, group, orthogonalize(update, p, self.root(p), self.ns_dtype))
         else:
-            sharded = []
             for p, group, update in whole:
                 if _ragged_dim(p) is None:
-                    self._apply(p, group, newton_schulz(update.view(p.shape), dtype=self.ns_dtype).reshape(-1))
-                else:
-                    sharded.append((p, group, update))
-            for items in _by_mesh_dim(sharded):
+                    ortho = newton_schulz(update.view(p.shape), dtype=self.ns_dtype)
+                    self._apply(p, group, ortho.reshape(-1))
+            for items in _by_mesh_dim([item for item in whole if _ragged_dim(item[0]) is not None]):
                 self._overlapped(items)
         for items in _by_mesh_dim(split):
             self._split(items)
@@ -250,9 +248,10 @@ class Muon(ParamwiseOptimizer):
         if key not in self._buckets:
             order = ragged.root_buckets([self.root(p) for p, _, _ in items])
             world = _ragged_world(items[0][0])
-            self._buckets[key] = [(_Bucket([items[k][0] for k in b],
-                                           [ragged.RaggedShard.whole_on(self.root(items[k][0]), world) for k in b]),
-                                   b) for b in order]
+            self._buckets[key] = [
+                (_Bucket([items[k][0] for k in b], [ragged.RaggedShard.whole_on(self.root(items[k][0]), world)
+                                                    for k in b]), b)
+                for b in order]
         buckets = self._buckets[key]
         stream = self._stream(items[0][2].device)
         gathers: deque = deque()

@@ -30,24 +30,28 @@ def split_placement(devices: Devices, world: int) -> ragged.RaggedShard:
     return ragged.RaggedShard((0,), tuple(int(d in devices) for d in range(world)))
 
 
-def new_subgroups(groups: Sequence[Devices], dim_group: dist.ProcessGroup) -> dict[Devices, dist.ProcessGroup]:
+def new_subgroups(groups: Sequence[Devices],
+                  dim_group: dist.ProcessGroup) -> dict[Devices, dist.ProcessGroup]:
     """A torch process group for each distinct split group (more than one device) that this rank is in.
 
-    ``groups`` hold indices on the mesh dim of ``dim_group``; each becomes the global ranks at those group
-    ranks. Only the members create a group (``use_local_synchronization``), every member in the order of
-    ``groups``, which all ranks of the mesh dim share, so no two members wait on each other in opposite
-    orders. The whole mesh dim reuses ``dim_group``.
+    ``groups`` hold indices on the mesh dim of ``dim_group``, the same list on every rank. ``new_group`` must
+    be called by every rank of the job, for every group, in the same order (its name is a counter), so every
+    rank learns the global ranks of every slice of the mesh dim (one ``all_gather_object`` over the job,
+    HSDP replicas included) and creates each split group on each slice; it keeps the ones it is in. A group
+    of the whole mesh dim is ``dim_group`` itself.
     """
-    me, world = dist.get_rank(dim_group), dist.get_world_size(dim_group)
+    size = dist.get_world_size(dim_group)
+    mine = tuple(dist.get_global_rank(dim_group, d) for d in range(size))  # index d -> global rank
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    me = dist.get_rank()
     out: dict[Devices, dist.ProcessGroup] = {}
-    for devices in dict.fromkeys(groups):  # distinct, first-seen order
-        if len(devices) == 1 or me not in devices:
-            continue
-        if len(devices) == world:
-            out[devices] = dim_group
-        else:
-            ranks = [dist.get_global_rank(dim_group, d) for d in devices]
-            out[devices] = dist.new_group(ranks, use_local_synchronization=True)
+    for ranks in sorted(set(every)):
+        for devices in dict.fromkeys(g for g in groups if len(g) > 1):  # distinct, first-seen order
+            members = [ranks[d] for d in devices]
+            pg = dim_group if len(devices) == size else dist.new_group(members)  # the whole mesh dim: reuse
+            if me in members:
+                out[devices] = pg
     return out
 
 
@@ -90,18 +94,23 @@ def split_newton_schulz(rows: torch.Tensor, shape: tuple[int, int], group: dist.
 
 
 def _rows_to_columns(block: torch.Tensor, g: int, group: dist.ProcessGroup, unit: str) -> torch.Tensor:
-    """``(r, n)`` row block of member ``i`` -> ``(g r, n/g)`` column block ``i``: sub-block ``j`` to member ``j``."""
+    """Member ``i``'s ``(r, n)`` row block -> its ``(g r, n/g)`` column block ``i`` (sub-block ``j`` to j)."""
     r, n = block.shape
-    send = block.reshape(r, g, n // g).transpose(0, 1).contiguous()  # (g, r, n/g): [j] = my rows, j's columns
-    recv = torch.empty_like(send)  # [j] = member j's rows, my columns
-    all_to_all(recv.view(-1), send.view(-1), [send[0].numel()] * g, [send[0].numel()] * g, group, unit=unit).wait()
-    return recv.view(g * r, n // g)
+    send = block.reshape(r, g, n // g).transpose(0, 1)  # (g, r, n/g): [j] = my rows, member j's columns
+    return _swap(send, group, unit).view(g * r, n // g)  # [j] = member j's rows, my columns
 
 
 def _columns_to_rows(block: torch.Tensor, g: int, group: dist.ProcessGroup, unit: str) -> torch.Tensor:
-    """The reverse of ``_rows_to_columns``: ``(g r, n/g)`` column block -> ``(r, g n/g)`` row block."""
+    """The reverse of ``_rows_to_columns``: ``(g r, n/g)`` column block -> ``(r, n)`` row block."""
     m, w = block.shape
-    send = block.contiguous().view(g, m // g, w)  # [j] = member j's rows, my columns
-    recv = torch.empty_like(send)  # [j] = my rows, member j's columns
-    all_to_all(recv.view(-1), send.view(-1), [send[0].numel()] * g, [send[0].numel()] * g, group, unit=unit).wait()
-    return recv.transpose(0, 1).reshape(m // g, g * w)
+    send = block.reshape(g, m // g, w)  # [j] = member j's rows, my columns
+    return _swap(send, group, unit).transpose(0, 1).reshape(m // g, g * w)  # [j] = my rows, j's columns
+
+
+def _swap(send: torch.Tensor, group: dist.ProcessGroup, unit: str) -> torch.Tensor:
+    """One ``all_to_all`` in the group: ``send[j]`` goes to member ``j``, ``out[j]`` came from ``j``."""
+    send = send.contiguous()
+    out = torch.empty_like(send)
+    chunks = [send[0].numel()] * send.shape[0]
+    all_to_all(out.view(-1), send.view(-1), chunks, chunks, group, unit=unit).wait()
+    return out
