@@ -19,7 +19,7 @@ import torch
 from _dist import Launcher, assert_case, run_cases
 
 import ragged
-from tests.torch_backend.test_optim_torch import _fulls, _muon, _train, run_threads
+from tests.torch_backend.test_optim_torch import MUON_SPECS, _fulls, _muon, _train, run_threads
 from torch_backend import RaggedShard
 from torch_backend.optim import Muon, newton_schulz
 
@@ -120,6 +120,29 @@ def test_split_muon_first_update_is_the_numpy_split_scheme():
                                                              len(devices[n]))
             update = (params[n] - got[n]) / ragged.muon_scale(shape)
             assert _rel(update, ref) < RTOL, n
+
+
+def test_split_muon_under_hsdp_equals_single_process_muon():
+    """A (4, 2) mesh, RaggedShard on dim 0 (Replicate on dim 1): each replica's shard dim is the global
+    ranks (0, 2, 4, 6) or (1, 3, 5, 7), so every split group exists once per replica, from global ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    params, grads = _fulls(MUON_SPECS, seed=5, steps=2)
+    want = _train(_muon, params, grads)
+
+    def fn(rank: int, world: int):
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("shard", "replicate"))
+        layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in MUON_SPECS], 4)
+        return _train(lambda named: Muon(named, lr=0.02, weight_decay=0.01, adamw_lr=1e-2), params, grads,
+                      lambda n, t: distribute_tensor(t, mesh, [RaggedShard.from_core(layout.placement(n)),
+                                                               Replicate()]))
+
+    matrices = [s for _, s, _ in MUON_SPECS if len(s) == 2]
+    assert [len(d) for d in ragged.assign_groups(matrices, 4)] == [4, 2, 4]  # wide, tall, square split
+    for rank, got in enumerate(run_threads(8, fn)):
+        for n in params:
+            torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=1e-6, msg=f"rank {rank}: {n}")
 
 
 def test_muon_rejects_max_imbalance_below_one():
