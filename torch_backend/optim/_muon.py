@@ -226,19 +226,17 @@ class Muon(ParamwiseOptimizer):
     def _finish_step(self) -> None:
         matrices, self._matrices = self._matrices, []
         whole, split = [], []
-        for item in matrices:
-            p = item[0]
-            (split if len(self.ns_devices(p)) > 1 and _ragged_dim(p) is not None else whole).append(item)
-        if not self.overlap:
-            for p, group, update in whole:
-                self._apply(p, group, orthogonalize(update, p, self.root(p), self.ns_dtype))
+        for p, group, update in matrices:
+            if _ragged_dim(p) is None:  # plain or replicated: whole on this device
+                self._apply(p, group, newton_schulz(update.view(p.shape), dtype=self.ns_dtype).reshape(-1))
+            else:
+                (whole if len(self.ns_devices(p)) == 1 else split).append((p, group, update))
+        if self.overlap:
+            for items in _by_mesh_dim(whole):
+                self._overlapped(items)
         else:
             for p, group, update in whole:
-                if _ragged_dim(p) is None:
-                    ortho = newton_schulz(update.view(p.shape), dtype=self.ns_dtype)
-                    self._apply(p, group, ortho.reshape(-1))
-            for items in _by_mesh_dim([item for item in whole if _ragged_dim(item[0]) is not None]):
-                self._overlapped(items)
+                self._apply(p, group, orthogonalize(update, p, self.root(p), self.ns_dtype))
         for items in _by_mesh_dim(split):
             self._split(items)
 
