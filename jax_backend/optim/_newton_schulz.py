@@ -9,8 +9,9 @@ row block ``B_i = b A_i + c A_i A``, the ``B_i`` are all-gathered and ``X_i <- a
 The group's collectives are rings of ``lax.ppermute`` over its members (a partial permutation of the mesh
 axis: the other devices send nothing and receive zeros). ``psum`` / ``all_gather`` with
 ``axis_index_groups`` would need groups that partition the whole axis, and are not supported by every
-backend. Sums run in member order, so every member gets the same bits of ``A``. The members' matmuls run
-under ``lax.cond`` (the other devices skip them); the collectives stay outside, on every device.
+backend. Sums run in member order, so every member gets the same bits of ``A``. The members' work runs
+under ``lax.cond`` (the other devices skip it); the collectives stay outside, on every device (as the
+whole-matrix roots' ``ppermute``s: a device outside gets a zero buffer of each message's size).
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ def newton_schulz(g: jax.Array, steps: int = ragged.NS_STEPS, eps: float = 1e-7,
 
 
 class _Group:
-    """The members of a split group, as seen from this device inside ``shard_map``."""
+    """The members of a split group, as seen from this device inside ``shard_map``.
+
+    ``receive`` runs a collective's ring shifts (every device runs them: the others send nothing and get
+    zeros); what arrived is put in member order (``in_order``) inside the next ``on_members``, so the other
+    devices skip that work too.
+    """
 
     def __init__(self, devices: Sequence[int], world_size: int, axis: str):
         self.devices, self.size, self.axis = tuple(devices), len(devices), axis
@@ -67,31 +73,39 @@ class _Group:
         self.pos = jnp.asarray(position)[rank]
         self.member = jnp.asarray(np.isin(np.arange(world_size), self.devices))[rank]
 
-    def from_members(self, outgoing: Callable[[int], jax.Array]) -> jax.Array:
-        """``(g, ...)``: entry ``i`` is what member ``i`` sent to this device, where each member sends
-        ``outgoing(s)`` to the member ``s`` places after it in the ring (``outgoing(0)`` it keeps)."""
-        own = outgoing(0)
+    def _receive(self, outgoing: Callable[[int], jax.Array]) -> list[jax.Array]:
+        """Each member sends ``outgoing(s)`` to the member ``s`` places after it in the ring, for
+        ``s = 1 .. g-1``: entry ``s - 1`` is what the member ``s`` places before this device sent."""
+        rings = [[(self.devices[i], self.devices[(i + s) % self.size]) for i in range(self.size)]
+                 for s in range(1, self.size)]
+        return [lax.ppermute(outgoing(s), self.axis, ring) for s, ring in enumerate(rings, start=1)]
+
+    def send_all(self, v: jax.Array) -> list[jax.Array]:
+        """All-gather: ``v`` to every other member (``in_order(v, received)`` is every member's)."""
+        return self._receive(lambda s: v)
+
+    def send_blocks(self, blocks: jax.Array) -> list[jax.Array]:
+        """All-to-all: ``blocks[j]`` to member ``j`` (``in_order(block(blocks, 0), received)``)."""
+        return self._receive(lambda s: self.block(blocks, s))
+
+    def in_order(self, own: jax.Array, received: Sequence[jax.Array]) -> jax.Array:
+        """``(g, ...)``: what each member sent this device (``own`` from itself), in member order."""
         out = lax.dynamic_update_index_in_dim(jnp.zeros((self.size, *own.shape), own.dtype), own, self.pos, 0)
-        for s in range(1, self.size):
-            ring = [(self.devices[i], self.devices[(i + s) % self.size]) for i in range(self.size)]
-            got = lax.ppermute(outgoing(s), self.axis, ring)
+        for s, got in enumerate(received, start=1):
             out = lax.dynamic_update_index_in_dim(out, got, (self.pos - s) % self.size, 0)
         return out
 
-    def all_gather(self, v: jax.Array) -> jax.Array:
-        """``(g, ...)``: every member's ``v``, in member order."""
-        return self.from_members(lambda s: v)
-
-    def all_to_all(self, blocks: jax.Array) -> jax.Array:
-        """``(g, ...)``: entry ``i`` is member ``i``'s ``blocks[pos]`` (``blocks[j]`` goes to member j)."""
-        return self.from_members(
-            lambda s: lax.dynamic_index_in_dim(blocks, (self.pos + s) % self.size, 0, keepdims=False))
+    def block(self, blocks: jax.Array, s: int) -> jax.Array:
+        """``blocks[(pos + s) % g]``: the block for the member ``s`` places after this device."""
+        return lax.dynamic_index_in_dim(blocks, (self.pos + s) % self.size, 0, keepdims=False)
 
     def exchange(self, x: jax.Array, split: int, join: int) -> jax.Array:
         """Cut ``x`` in ``g`` blocks along ``split``, send block ``j`` to member ``j``, and join what this
         device got along ``join``, in member order (rows to columns: ``split=1, join=0``; back: ``0, 1``)."""
-        got = self.all_to_all(jnp.stack(jnp.split(x, self.size, axis=split)))
-        return jnp.concatenate(list(got), axis=join)
+        blocks = jnp.stack(jnp.split(x, self.size, axis=split))
+        got = self.send_blocks(blocks)
+        return self.on_members(lambda b, *got: jnp.concatenate(list(self.in_order(self.block(b, 0), got)),
+                                                               axis=join), blocks, *got)
 
     def on_members(self, fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
         """``fn(*args)`` on the members; zeros on the other devices, which skip the work."""
@@ -116,22 +130,32 @@ def split_newton_schulz(rows: jax.Array, shape: tuple[int, int], devices: Sequen
     """
     a, b, c = ragged.NS_COEFFS
     group = _Group(devices, world_size, axis)
-    g, tall = group.size, shape[0] > shape[1]
-    m = min(shape)
+    g, tall, m = group.size, shape[0] > shape[1], min(shape)
     x = rows.astype(dtype)
     if tall:
         x = x.T  # a row block of the tall matrix is a column block of its wide transpose
     else:  # rows (r/g, c) -> columns (r, c/g): member j gets every member's j-th column sub-block
         x = group.exchange(x, split=1, join=0)
     squares = group.on_members(lambda v: jnp.sum(jnp.square(v.astype(jnp.float32))), x)
-    x = x / (jnp.sqrt(jnp.sum(group.all_gather(squares))).astype(dtype) + eps)
+    x = group.on_members(
+        lambda v, own, *got: v / (jnp.sqrt(jnp.sum(group.in_order(own, got))).astype(dtype) + eps),
+        x, squares, *group.send_all(squares))
+
+    def gram_rows(p: jax.Array, *got: jax.Array) -> jax.Array:  # this member's rows of sum_i X_i X_i^T
+        return jnp.sum(group.in_order(group.block(p, 0), got), axis=0).astype(dtype)
+
+    def poly_rows(rows: jax.Array, *got: jax.Array) -> jax.Array:  # B_i = b A_i + c A_i A
+        whole = group.in_order(rows, got).reshape(m, m)
+        return _times(b, rows, dtype) + _times(c, _matmul(rows, whole, dtype), dtype)
+
+    def update(v: jax.Array, rows: jax.Array, *got: jax.Array) -> jax.Array:  # X_i <- a X_i + B X_i
+        return _times(a, v, dtype) + _matmul(group.in_order(rows, got).reshape(m, m), v, dtype)
+
     for _ in range(steps):
-        # A = sum_i X_i X_i^T, summed in fp32 and in member order: a reduce-scatter of its row blocks ...
-        partial = group.on_members(lambda v: jnp.matmul(v, v.T, preferred_element_type=jnp.float32), x)
-        own_rows = jnp.sum(group.all_to_all(partial.reshape(g, m // g, m)), axis=0).astype(dtype)
-        gram = group.all_gather(own_rows).reshape(m, m)  # ... then an all-gather
-        poly_rows = group.on_members(
-            lambda r, full: _times(b, r, dtype) + _times(c, _matmul(r, full, dtype), dtype), own_rows, gram)
-        poly = group.all_gather(poly_rows).reshape(m, m)
-        x = group.on_members(lambda v, p: _times(a, v, dtype) + _matmul(p, v, dtype), x, poly)
+        # A in fp32, summed in member order: a reduce-scatter of its row blocks, then an all-gather (every
+        # member gets the same bits); B all-gathered.
+        partial = group.on_members(lambda v: _matmul(v, v.T, jnp.float32), x).reshape(g, m // g, m)
+        gram = group.on_members(gram_rows, partial, *group.send_blocks(partial))
+        poly = group.on_members(poly_rows, gram, *group.send_all(gram))
+        x = group.on_members(update, x, poly, *group.send_all(poly))
     return (x.T if tall else group.exchange(x, split=0, join=1)).astype(jnp.float32)

@@ -84,14 +84,16 @@ def _in_group_permutes(shape, g, steps=ragged.NS_STEPS):
 def test_the_compiled_step_runs_the_groups_collectives():
     """The lowered step has exactly the core's gather / scatter transfers plus the groups' ring shifts,
     among the group's members (a runtime that ignored the groups would have the roots' transfers only),
-    and the members' matmuls are conditional (the other devices skip them): one ``lax.cond`` per root, per
-    split matrix one for the squared norm and three per step."""
+    and the members' work is conditional (the other devices skip it): one ``lax.cond`` per root; per split
+    matrix two for the norm, four per step (X_i X_i^T, the sum of A's row block, B_i, X_i) and, for a
+    wide matrix, one for each exchange of sub-blocks."""
     _, _, runs = _split_runs()
     _, (step, bufs, g, state) = runs[2]
     text = step.lower(bufs, g, state).as_text()
     layout, moves, conds = _layout(), 0, 0
     for m in _split_plan([layout]).matrices["unit"]:
-        conds += 1 + 3 * ragged.NS_STEPS if len(m.group) > 1 else 1
+        wide = m.shape[0] <= m.shape[1]
+        conds += 2 + 4 * ragged.NS_STEPS + 2 * wide if len(m.group) > 1 else 1
         target = m.rows(WORLD) if len(m.group) > 1 else ragged.RaggedShard.whole_on(m.root, WORLD)
         pieces = ragged.ragged_holdings(layout.placement(m.name), m.shape, m.name)
         there = ragged.ragged_holdings(target, m.shape, m.name)
