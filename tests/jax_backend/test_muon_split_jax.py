@@ -144,3 +144,21 @@ def test_plan_time_validation(monkeypatch):
         muon_plan([_layout()], "fsdp", max_imbalance=1.1)
     with pytest.raises(ValueError, match=r"w: Newton-Schulz is split over devices \(0, 1\), it has no root"):
         MuonMatrix("w", (4, 4), (0, 1)).root  # noqa: B018
+
+
+@pytest.mark.parametrize("world", [8, 64, 256])
+def test_llama3_8b_layers_plan_within_ten_percent(world):
+    """The plan alone (nothing runs): the JAX Muon plan of llama3-8b's decoder layers reports max/mean
+    <= 1.1 with ``max_imbalance=1.1``; at 256 devices whole-matrix roots cannot get under 2.11."""
+    layers = [u for u in ragged.model_shapes("llama3-8b").units if u.name.startswith("layers.")]
+    layouts = ragged.plan_model(layers, world)
+    split, whole = muon_plan(layouts, "fsdp", max_imbalance=1.1), muon_plan(layouts, "fsdp")
+    imbalance = lambda load: load.max() / load.mean()  # noqa: E731
+    assert imbalance(split.newton_schulz_load) <= 1.1
+    matrices = [m for ms in split.matrices.values() for m in ms]
+    assert sorted(id(m) for w in split.windows() for _, m in w) == sorted(map(id, matrices))  # each once
+    sizes = {len(m.group) for m in matrices}
+    if world < 256:
+        assert sizes == {1} and split.matrices == whole.matrices
+    else:
+        assert imbalance(whole.newton_schulz_load) > 2.1 and sizes == {1, 4}
