@@ -122,19 +122,19 @@ def scatter_tensor(full: jax.Array, local: jax.Array, layout: Layout, name: str,
 
 
 def _rows_shape(layout: Layout, name: str, rows: RaggedShard) -> tuple[int, ...]:
-    """A device's row block under ``rows``: the most rows a device gets (static), the tensor's other dims."""
+    """A device's row block under ``rows`` (static): the most rows a device gets, the tensor's other dims."""
     shape = layout.slot(name).shape
     if rows.dims != (0,) or rows.world_size != layout.world_size:
         raise ValueError(f"{name}: row blocks need a RaggedShard over dims (0,) on {layout.world_size} "
                          f"devices, got dims={rows.dims} on {rows.world_size}")
     rows.validate(shape, name)
-    return (max(rows.local_units), *shape[1:])
+    return (max(rows.local_units) * shape[0] // sum(rows.local_units), *shape[1:])
 
 
 def gather_rows(local: jax.Array, layout: Layout, name: str, axis: str, rows: RaggedShard) -> jax.Array:
     """This device's rows of tensor ``name`` under ``rows`` (a ``RaggedShard`` over dim 0), from the
-    unit's local shards (inside ``shard_map``): ``(max(rows.local_units), *shape[1:])``, this device's
-    ``rows.local_units[rank]`` rows first, zeros after them (all zeros where it holds none).
+    unit's local shards (inside ``shard_map``): as many rows as the device that gets the most, this
+    device's own first, zeros after them (all zeros where it holds none).
 
     Raises:
         KeyError / ValueError: as ``gather_tensor``, or ``rows`` that is not a row placement of the tensor.
