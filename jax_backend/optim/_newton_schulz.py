@@ -60,9 +60,10 @@ def newton_schulz(g: jax.Array, steps: int = ragged.NS_STEPS, eps: float = 1e-7,
 class _Group:
     """The members of a split group, as seen from this device inside ``shard_map``.
 
-    ``receive`` runs a collective's ring shifts (every device runs them: the others send nothing and get
-    zeros); what arrived is put in member order (``in_order``) inside the next ``on_members``, so the other
-    devices skip that work too.
+    ``send_all`` (all-gather) and ``send_blocks`` (all-to-all, and the first half of a reduce-scatter) run
+    a collective's ``g - 1`` ring shifts (every device runs them: the others send nothing and get zeros);
+    what arrived is put in member order (``in_order``) inside the next ``on_members``, so the other devices
+    skip that work too.
     """
 
     def __init__(self, devices: Sequence[int], world_size: int, axis: str):
