@@ -80,6 +80,26 @@ def test_split_newton_schulz_equals_the_numpy_scheme_and_one_device(shape, g, dt
     assert _rel(got, newton_schulz(x)) < tol
 
 
+def test_split_newton_schulz_refuses_bad_blocks_before_communicating():
+    """A group that does not divide the matrix, or a block that is not one row block: an error naming the
+    rule on every member (run_threads fails on a hang), not a wrong answer."""
+    import torch.distributed as dist
+
+    from torch_backend.optim._muon_split import split_newton_schulz
+
+    def fn(rank: int, world: int) -> list[str]:
+        errors = []
+        for rows, shape in ((torch.ones(24 * 15), (48, 15)), (torch.ones(10), (48, 16))):
+            with pytest.raises((ragged.PlanningError, ValueError)) as e:
+                split_newton_schulz(rows, shape, dist.group.WORLD)
+            errors.append(str(e.value))
+        return errors
+
+    for errors in run_threads(2, fn):
+        assert "group of 2 must divide both sides of (48, 15)" in errors[0]
+        assert "holds 10 elements of the (48, 16) matrix; its row block has 24 x 16" in errors[1]
+
+
 def _layer_run(make_opt, steps: int):
     """``steps`` Muon steps on the layer, sharded over ``WORLD`` threads: the parameters and the ranks'
     ``(full parameters, ns_devices per matrix)``."""

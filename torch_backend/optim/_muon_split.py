@@ -69,9 +69,16 @@ def split_newton_schulz(rows: torch.Tensor, shape: tuple[int, int], group: dist.
 
     Returns:
         The flat row block of the orthogonalized matrix, fp32.
+
+    Raises:
+        ragged.PlanningError: ``g`` does not divide both sides; ValueError: ``rows`` is not one row block.
+        Both before any collective (the first on every member alike).
     """
     g, i = dist.get_world_size(group), dist.get_rank(group)
     ragged.split_newton_schulz_flops(shape, g)  # raises PlanningError unless g divides both sides
+    if rows.numel() != shape[0] // g * shape[1]:
+        raise ValueError(f"split_newton_schulz: member {i} of {g} holds {rows.numel()} elements of the "
+                         f"{tuple(shape)} matrix; its row block has {shape[0] // g} x {shape[1]}")
     unit = f"muon split {tuple(shape)}"
     a, b, c = ragged.NS_COEFFS
     tall = shape[0] > shape[1]
