@@ -197,6 +197,7 @@ def checks(rank: int, world: int) -> dict:
         roots = ragged.assign_roots([ragged.newton_schulz_flops(s) for s in shapes], world)
         whole = ragged.newton_schulz_load(shapes, roots, world)
         assert whole.max() / whole.mean() > 2.1
+        np.testing.assert_array_equal(_muon(list(live.items())).newton_schulz_load(), whole)  # the default
         with FlopCounterMode(display=False) as flops, debug_counter() as counter:
             opt.step()
         assert flops.get_total_flops() == load[rank]  # the matmuls this rank ran are its share of the plan
