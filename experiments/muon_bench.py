@@ -178,6 +178,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     fp32 = {n: newton_schulz(g) for n, g in grads[0].items()}
     result["ns_rel_err_vs_fp32"] = max(((newton_schulz(g, dtype=kw["ns_dtype"]) - fp32[n]).norm()
                                         / fp32[n].norm()).item() for n, g in grads[0].items())
+    live, ovl_opt, _ = runs["ours_overlapped"]  # the same assignment in both of ours
+    result["ns_flops_per_rank"] = ovl_opt.newton_schulz_load().tolist()
+    result["split_matrices"] = sum(len(ovl_opt.ns_devices(p)) > 1 for p in live.values())
     out[rank] = result
     dist.destroy_process_group()
 
@@ -260,10 +263,13 @@ def summarize(results: dict, args: argparse.Namespace) -> dict:
                                          for v in VARIANTS},
             "whole_matrix_bytes_held_at_once_bound": held,
             "max_rel_diff_vs_single_process": results[0]["max_rel_diff_vs_single_process"],
-            "ns_rel_err_vs_fp32": results[0]["ns_rel_err_vs_fp32"]}
+            "ns_rel_err_vs_fp32": results[0]["ns_rel_err_vs_fp32"],
+            "ns_flops_per_rank": results[0]["ns_flops_per_rank"],
+            "split_matrices": results[0]["split_matrices"]}
 
 
 def render(s: dict) -> str:
+    flops = s["ns_flops_per_rank"]
     lines = [f"# Distributed Muon vs the FSDP2 full_tensor workaround ({s['world_size']} x {s['device']}, "
              f"Newton-Schulz in {s['ns_dtype']}, {s['matrices']} matrices, {s['rounds']} interleaved rounds)",
              "", "| variant | median step (ms) | ratio vs workaround (median of rounds) "
@@ -280,7 +286,10 @@ def render(s: dict) -> str:
               f"Newton-Schulz in {s['ns_dtype']} vs fp32 (relative Frobenius error, max over the matrices, "
               f"round-0 gradients): {s['ns_rel_err_vs_fp32']:.2e}.",
               f"Whole-matrix bytes a rank holds at once (bound, computed): "
-              f"{s['whole_matrix_bytes_held_at_once_bound']}.", ""]
+              f"{s['whole_matrix_bytes_held_at_once_bound']}.",
+              f"Newton-Schulz FLOPs per rank of ours (`Muon.newton_schulz_load()`): {flops}, max/mean "
+              f"{max(flops) / statistics.mean(flops):.3f}; matrices split over a group: "
+              f"{s['split_matrices']}.", ""]
     return "\n".join(lines)
 
 

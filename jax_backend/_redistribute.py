@@ -9,7 +9,9 @@ and execute the core's interval plans (``ragged.transfers`` between ``ragged_hol
   slices (the plan says which slice of which row goes where);
 - to one root, and back from it: one ``ppermute`` per transfer between two devices (static size, a single
   source/destination pair), plus local copies; ``ragged_all_to_all`` would batch these where a backend has
-  it, but it is not implemented on CPU.
+  it, but it is not implemented on CPU;
+- to row blocks on some devices (``gather_rows`` / ``scatter_rows``, a ``RaggedShard`` over dim 0: split
+  Newton-Schulz): the same, with the core's plan to that placement.
 
 Offsets come from the Layout (the tensor's pieces) and the plan; nothing is recomputed.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import ragged
@@ -30,14 +33,15 @@ def _pieces(layout: Layout, name: str) -> dict[int, int]:
             for p in layout.local_pieces(rank) if p.name == name}
 
 
-def _plan(layout: Layout, name: str, root: int | None, *, gather: bool) -> tuple[Transfer, ...]:
+def _plan(layout: Layout, name: str, target: RaggedShard | None, *, gather: bool) -> tuple[Transfer, ...]:
+    """The core's transfers between the tensor's FSDP pieces and ``target`` (``None``: replicated)."""
     slot = layout.slot(name)
     ragged_ = ragged.ragged_holdings(layout.placement(name), slot.shape, name)
-    if root is None:
-        whole = ragged.replicate_holdings(slot.numel, layout.world_size)
+    if target is None:
+        other = ragged.replicate_holdings(slot.numel, layout.world_size)
     else:
-        whole = ragged.ragged_holdings(RaggedShard.whole_on(root, layout.world_size), slot.shape, name)
-    return ragged.transfers(ragged_, whole) if gather else ragged.transfers(whole, ragged_)
+        other = ragged.ragged_holdings(target, slot.shape, name)
+    return ragged.transfers(ragged_, other) if gather else ragged.transfers(other, ragged_)
 
 
 def _execute(plan: tuple[Transfer, ...], src: jax.Array, dst: jax.Array, src_base: dict[int, int],
@@ -82,7 +86,8 @@ def gather_tensor(local: jax.Array, layout: Layout, name: str, axis: str, *,
     slot, pieces = layout.slot(name), _pieces(layout, name)
     if root is not None:
         flat = jnp.zeros(slot.numel, local.dtype)
-        flat = _execute(_plan(layout, name, root, gather=True), local, flat, pieces, {}, axis)
+        plan = _plan(layout, name, RaggedShard.whole_on(root, layout.world_size), gather=True)
+        flat = _execute(plan, local, flat, pieces, {}, axis)
         return flat.reshape(slot.shape)
     plan = [t for t in _plan(layout, name, None, gather=True) if t.dst == 0]  # every device gets the same
     lo = min(pieces[t.src] + t.src_offset for t in plan)
@@ -111,5 +116,43 @@ def scatter_tensor(full: jax.Array, local: jax.Array, layout: Layout, name: str,
     slot = layout.slot(name)
     if tuple(full.shape) != slot.shape:
         raise ValueError(f"{name}: full tensor has shape {tuple(full.shape)}, the layout has {slot.shape}")
-    plan = _plan(layout, name, root, gather=False)
+    plan = _plan(layout, name, None if root is None else RaggedShard.whole_on(root, layout.world_size),
+                 gather=False)
     return _execute(plan, full.reshape(-1).astype(local.dtype), local, {}, _pieces(layout, name), axis)
+
+
+def _rows_shape(layout: Layout, name: str, rows: RaggedShard) -> tuple[int, ...]:
+    """A device's row block under ``rows`` (static): the most rows a device gets, the tensor's other dims."""
+    shape = layout.slot(name).shape
+    if rows.dims != (0,) or rows.world_size != layout.world_size:
+        raise ValueError(f"{name}: row blocks need a RaggedShard over dims (0,) on {layout.world_size} "
+                         f"devices, got dims={rows.dims} on {rows.world_size}")
+    rows.validate(shape, name)
+    return (max(rows.local_units) * shape[0] // sum(rows.local_units), *shape[1:])
+
+
+def gather_rows(local: jax.Array, layout: Layout, name: str, axis: str, rows: RaggedShard) -> jax.Array:
+    """This device's rows of tensor ``name`` under ``rows`` (a ``RaggedShard`` over dim 0), from the
+    unit's local shards (inside ``shard_map``): as many rows as the device that gets the most, this
+    device's own first, zeros after them (all zeros where it holds none).
+
+    Raises:
+        KeyError / ValueError: as ``gather_tensor``, or ``rows`` that is not a row placement of the tensor.
+    """
+    _check(local, layout, name, None)
+    shape = _rows_shape(layout, name, rows)
+    flat = jnp.zeros(int(np.prod(shape)), local.dtype)
+    flat = _execute(_plan(layout, name, rows, gather=True), local, flat, _pieces(layout, name), {}, axis)
+    return flat.reshape(shape)
+
+
+def scatter_rows(block: jax.Array, local: jax.Array, layout: Layout, name: str, axis: str,
+                 rows: RaggedShard) -> jax.Array:
+    """The inverse of ``gather_rows``: each device's row block (as it returns it) back into the pieces of
+    tensor ``name`` in ``local``; everything outside the pieces is kept."""
+    _check(local, layout, name, None)
+    shape = _rows_shape(layout, name, rows)
+    if tuple(block.shape) != shape:
+        raise ValueError(f"{name}: row block has shape {tuple(block.shape)}, the placement gives {shape}")
+    plan = _plan(layout, name, rows, gather=False)
+    return _execute(plan, block.reshape(-1).astype(local.dtype), local, {}, _pieces(layout, name), axis)

@@ -1,4 +1,4 @@
-"""Splitting one matrix's Newton-Schulz over a small group of devices: a plan (no runtime runs it yet).
+"""Splitting one matrix's Newton-Schulz over a small group of devices: the plan (both runtimes run it).
 
 Whole-matrix roots (``assign_roots``) cannot balance a step whose largest matrix costs more than the mean
 per device: the device that gets it runs ``max_cost``, so ``max / mean >= max_cost / mean`` for *every*

@@ -8,9 +8,12 @@ learning rate for 2-D leaves and uses AdamW for the others.
 Distributed (``plan=muon_plan(layouts, axis)``): the leaves are FSDP unit shards ``(S,)`` inside
 ``shard_map``. Momentum runs on the local shard; each matrix is gathered to its load-balanced root
 (``ragged.assign_roots``) with ``gather_tensor(..., root=r)``, orthogonalized under ``lax.cond`` on the root
-only, and written back to every device's piece with ``scatter_tensor(..., root=r)``. The plan's windows
-(``in_flight`` root buckets) issue their gathers before their Newton-Schulz and scatters after, so XLA can
-overlap them. Elements of tensors that are not 2-D get AdamW through a static per-device mask.
+only, and written back to every device's piece with ``scatter_tensor(..., root=r)``. With
+``muon_plan(..., max_imbalance=)`` the matrices that stop the balance are split over groups of devices
+(``ragged.assign_groups``): each member gets a row block (``gather_rows``) and ``split_newton_schulz`` runs
+the core's split scheme. The plan's windows (``in_flight`` root buckets) issue their gathers before their
+Newton-Schulz and scatters after, so XLA can overlap them. Elements of tensors that are not 2-D get AdamW
+through a static per-device mask.
 """
 
 from __future__ import annotations
@@ -26,46 +29,31 @@ import optax
 from jax import lax
 
 import ragged
-from jax_backend._redistribute import gather_tensor, scatter_tensor
+from jax_backend._redistribute import gather_rows, gather_tensor, scatter_rows, scatter_tensor
 from jax_backend.optim._adam8bit import piece_of
-from ragged import Layout
-
-
-def newton_schulz(g: jax.Array, steps: int = ragged.NS_STEPS, eps: float = 1e-7,
-                  dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """``U p^steps(S / ||G||_F) V^T`` with the quintic ``p`` of ``ragged.NS_COEFFS``, computed in ``dtype``.
-
-    Returns fp32. ``dtype=jnp.bfloat16`` halves the matmul cost on accelerators; its relative Frobenius
-    error against fp32 is a few percent (tested < 5%, docs/optimizers.md), as on the torch side.
-    """
-    a, b, c = ragged.NS_COEFFS
-
-    # As torch computes in bf16: products accumulate in fp32, and a coefficient multiplies in fp32 (a
-    # Python float times a bf16 array would first round 3.4445 to 3.4375), each result rounded to dtype.
-    def mm(p: jax.Array, q: jax.Array) -> jax.Array:
-        return jnp.matmul(p, q, preferred_element_type=jnp.float32).astype(dtype)
-
-    def times(k: float, v: jax.Array) -> jax.Array:
-        return (jnp.float32(k) * v.astype(jnp.float32)).astype(dtype)
-
-    x = g.astype(dtype)
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.T
-    x = x / (jnp.linalg.norm(x.astype(jnp.float32)).astype(dtype) + eps)
-    for _ in range(steps):
-        gram = mm(x, x.T)
-        x = times(a, x) + mm(times(b, gram) + times(c, mm(gram, gram)), x)
-    return (x.T if tall else x).astype(jnp.float32)
+from jax_backend.optim._newton_schulz import newton_schulz, split_newton_schulz
+from ragged import Layout, RaggedShard
 
 
 @dataclass(frozen=True)
 class MuonMatrix:
-    """One 2-D tensor of a unit and the device that orthogonalizes it."""
+    """One 2-D tensor of a unit and the devices that orthogonalize it: its root, or a split group."""
 
     name: str
     shape: tuple[int, int]
-    root: int
+    group: tuple[int, ...]
+
+    @property
+    def root(self) -> int:
+        """The one device of a whole-matrix Newton-Schulz."""
+        if len(self.group) != 1:
+            raise ValueError(f"{self.name}: Newton-Schulz is split over devices {self.group}, it has no root")
+        return self.group[0]
+
+    def rows(self, world_size: int) -> RaggedShard:
+        """Where a split group holds the matrix: member ``i`` (sorted) rows ``[i r/g, (i+1) r/g)``."""
+        units = self.shape[0] // len(self.group)
+        return RaggedShard((0,), tuple(units if d in self.group else 0 for d in range(world_size)))
 
 
 @dataclass(frozen=True)
@@ -86,13 +74,25 @@ class MuonPlan:
     def windows(self) -> tuple[tuple[tuple[str, MuonMatrix], ...], ...]:
         """The schedule: ``(unit, matrix)`` groups whose gathers are issued together, then their
         Newton-Schulz, then their scatters; ``in_flight`` root buckets per group (``ragged.root_buckets``),
-        or one matrix per group when ``in_flight`` is ``None`` (sequential)."""
+        or one matrix per group when ``in_flight`` is ``None`` (sequential). Matrices split over a group
+        of devices come after the whole ones, ``in_flight`` per window (one when sequential)."""
         found = [(unit, m) for unit, ms in self.matrices.items() for m in ms]
+        whole = [f for f in found if len(f[1].group) == 1]
+        split = [f for f in found if len(f[1].group) > 1]
         if self.in_flight is None:
-            return tuple((f,) for f in found)
-        buckets = ragged.root_buckets([m.root for _, m in found])
-        return tuple(tuple(found[i] for b in buckets[j:j + self.in_flight] for i in b)
-                     for j in range(0, len(buckets), self.in_flight))
+            return tuple((f,) for f in whole + split)
+        buckets = ragged.root_buckets([m.root for _, m in whole])
+        return (tuple(tuple(whole[i] for b in buckets[j:j + self.in_flight] for i in b)
+                      for j in range(0, len(buckets), self.in_flight))
+                + tuple(tuple(split[j:j + self.in_flight]) for j in range(0, len(split), self.in_flight)))
+
+    @property
+    def newton_schulz_load(self) -> np.ndarray:
+        """Newton-Schulz matmul FLOPs each device runs per step (``ragged.group_load`` of the groups):
+        ``(world_size,)`` int64, ``max / mean`` is the step's load imbalance."""
+        world = self.layouts[0].world_size if self.layouts else 1
+        found = [m for ms in self.matrices.values() for m in ms]
+        return ragged.group_load([m.shape for m in found], [m.group for m in found], world)
 
     def mask(self, unit: str) -> jax.Array:
         """True where this device's shard element of ``unit`` belongs to a 2-D tensor (inside shard_map)."""
@@ -101,21 +101,41 @@ class MuonPlan:
         return piece_of(offset, length, size)[2]
 
 
-def muon_plan(layouts: Sequence[Layout], axis: str, *, in_flight: int | None = 2) -> MuonPlan:
-    """Roots for every 2-D tensor of ``layouts`` (greedy largest-first over Newton-Schulz FLOPs), pieces,
-    and the schedule: ``in_flight`` root buckets gathered together and overlapped by XLA with their
-    Newton-Schulz (``None``: one matrix after another; both give the same bits).
+def muon_plan(layouts: Sequence[Layout], axis: str, *, in_flight: int | None = 2,
+              max_imbalance: float | None = None) -> MuonPlan:
+    """Who orthogonalizes every 2-D tensor of ``layouts``, its pieces, and the schedule.
+
+    Args:
+        layouts: the units; axis: the mesh axis they are sharded over.
+        in_flight: root buckets gathered together and overlapped by XLA with their Newton-Schulz
+            (``None``: one matrix after another; both give the same bits).
+        max_imbalance: ``None``: one root per matrix, greedy largest-first over Newton-Schulz FLOPs
+            (``ragged.assign_roots``). A target ``max / mean`` of per-device FLOPs: matrices whose cost
+            stops it are split over groups of devices (``ragged.assign_groups``); the others keep one root.
+            Splitting balances the FLOPs (llama3-8b's layers at 256 devices: 1.057 instead of 2.11) but
+            adds collectives inside each group at every Newton-Schulz step (``split_newton_schulz_bytes``).
 
     Raises:
-        ValueError: ``in_flight < 1``.
+        ValueError: ``in_flight < 1``, ``max_imbalance < 1``, or a split group that does not divide both
+            sides of its matrix (before any collective is traced).
     """
     if in_flight is not None and in_flight < 1:
         raise ValueError(f"muon_plan: in_flight={in_flight} must be >= 1 (or None for sequential)")
+    if max_imbalance is not None and not max_imbalance >= 1:
+        raise ValueError(f"muon_plan: max_imbalance={max_imbalance} is a max / mean ratio, it must be >= 1")
     layouts = tuple(layouts)
     world = layouts[0].world_size if layouts else 1
     found = [(lay.name, t) for lay in layouts for t in lay.tensors if len(t.shape) == 2]
-    roots = ragged.assign_roots([ragged.newton_schulz_flops(t.shape) for _, t in found], world)
-    matrices = {lay.name: tuple(MuonMatrix(t.name, t.shape, r) for (u, t), r in zip(found, roots)
+    if max_imbalance is None:
+        roots = ragged.assign_roots([ragged.newton_schulz_flops(t.shape) for _, t in found], world)
+        groups = tuple((r,) for r in roots)
+    else:
+        groups = ragged.assign_groups([t.shape for _, t in found], world, max_imbalance=max_imbalance)
+    for (unit, t), group in zip(found, groups):
+        if t.shape[0] % len(group) or t.shape[1] % len(group):
+            raise ValueError(f"muon_plan: {t.name} of unit {unit!r} has shape {t.shape}; a split "
+                             f"Newton-Schulz group of {len(group)} devices must divide both sides")
+    matrices = {lay.name: tuple(MuonMatrix(t.name, t.shape, g) for (u, t), g in zip(found, groups)
                                 if u == lay.name) for lay in layouts}
     pieces = {}
     for lay in layouts:
@@ -136,29 +156,44 @@ class ScaleByMuonState(NamedTuple):
 
 def _orthogonalize_shards(updates: dict[str, jax.Array], plan: MuonPlan,
                           ns_dtype: jnp.dtype) -> dict[str, jax.Array]:
-    """Newton-Schulz of every matrix of the unit shards, each on its root; other elements become 0.
+    """Newton-Schulz of every matrix of the unit shards, each on its root (or split over its group); other
+    elements become 0.
 
-    One window at a time (``plan.windows()``): all its gathers, then its Newton-Schulz under
-    ``lax.cond(root)``, then its scatters, inside one jitted step so XLA can overlap them. The next
-    window's gathers read ``updates`` minus an exact zero computed from this window's scatters: a data
-    dependency that keeps them behind it, so a device holds about one window of whole matrices (the
-    subtraction fuses into the gathers' slices: no copy of the shard).
+    One window at a time (``plan.windows()``): all its gathers, then its Newton-Schulz (under
+    ``lax.cond(root)``, or ``split_newton_schulz`` on row blocks), then its scatters, inside one jitted step
+    so XLA can overlap them. The next window's gathers read ``updates`` minus an exact zero computed from
+    this window's scatters: a data dependency that keeps them behind it, so a device holds about one window
+    of whole matrices (the subtraction fuses into the gathers' slices: no copy of the shard).
     (``lax.optimization_barrier`` did not: XLA:CPU drops it before scheduling, and then issued every
     window's gathers first, so the sequential schedule ran as one window and temp memory grew with the
     model.)
     """
     by_unit = {lay.name: lay for lay in plan.layouts}
+    world = plan.layouts[0].world_size if plan.layouts else 1
     outs = {k: jnp.zeros_like(u) for k, u in updates.items()}
     rank = lax.axis_index(plan.axis)
     done = jnp.zeros((), jnp.float32)
+
+    def gather(u: str, m: MuonMatrix) -> jax.Array:
+        if len(m.group) > 1:  # this device's row block
+            return gather_rows(updates[u] - done, by_unit[u], m.name, plan.axis, m.rows(world))
+        return gather_tensor(updates[u] - done, by_unit[u], m.name, plan.axis, root=m.root)
+
+    def orthogonalize(m: MuonMatrix, w: jax.Array) -> jax.Array:
+        if len(m.group) > 1:
+            return split_newton_schulz(w, m.shape, m.group, world, plan.axis, dtype=ns_dtype)
+        return lax.cond(rank == m.root, lambda w: newton_schulz(w, dtype=ns_dtype), jnp.zeros_like, w)
+
+    def scatter(u: str, m: MuonMatrix, o: jax.Array) -> jax.Array:
+        if len(m.group) > 1:
+            return scatter_rows(o, outs[u], by_unit[u], m.name, plan.axis, m.rows(world))
+        return scatter_tensor(o, outs[u], by_unit[u], m.name, plan.axis, root=m.root)
+
     for window in plan.windows():
-        wholes = [gather_tensor(updates[u] - done, by_unit[u], m.name, plan.axis, root=m.root)
-                  for u, m in window]
-        orthos = [lax.cond(rank == m.root, lambda w: newton_schulz(w, dtype=ns_dtype), jnp.zeros_like, w)
-                  * ragged.muon_scale(m.shape)
-                  for (_, m), w in zip(window, wholes)]  # zeros off the root
+        held = [gather(u, m) for u, m in window]
+        orthos = [orthogonalize(m, w) * ragged.muon_scale(m.shape) for (_, m), w in zip(window, held)]
         for (u, m), o in zip(window, orthos):
-            outs[u] = scatter_tensor(o, outs[u], by_unit[u], m.name, plan.axis, root=m.root)
+            outs[u] = scatter(u, m, o)
         # ``x != x`` is False for every value but NaN, so ``done`` is 0.0 exactly and ``v - 0.0`` is ``v``
         # (negative zeros and NaN included); XLA cannot fold it, since it cannot prove the product 0.
         scattered = [outs[u][:1] for u in dict.fromkeys(u for u, _ in window)]

@@ -76,7 +76,7 @@ def test_bucket_holdings_concatenate_and_give_one_plan():
         ragged.newton_schulz_load([(2, 2)], [3], 2)
 
 
-# ----- split Newton-Schulz (a core plan; the runtimes do not run it) -----------------------------------
+# ----- split Newton-Schulz (the core's plan; the runtimes run it: tests/*/test_muon_split*.py) ---------
 @pytest.mark.parametrize("shape,group", [((48, 16), 2), ((16, 48), 4), ((32, 32), 8), ((24, 40), 1)])
 def test_split_newton_schulz_scheme_equals_one_device_and_counts_flops_and_bytes(shape, group):
     """The scheme in numpy (column blocks, all-reduced Gram, all-gathered row blocks) gives the singular

@@ -16,13 +16,18 @@ SPECS = MUON_SPECS + (("wide2", (16, 72), "rows:1"), ("tall2", (56, 24), "rows:2
                       ("sq2", (40, 40), "rows:1"))
 
 
-@pytest.mark.parametrize("world,in_flight", [(2, 1), (3, 2), (4, 1)])
-def test_overlapped_muon_equals_sequential_muon_bit_for_bit(world, in_flight):
+# max_imbalance=1.1 at 4 devices splits the (48, 48) matrix over devices (2, 3) (test_muon_split.py)
+@pytest.mark.parametrize("world,in_flight,max_imbalance",
+                         [(2, 1, None), (3, 2, None), (4, 1, None), (4, 2, 1.1)])
+def test_overlapped_muon_equals_sequential_muon_bit_for_bit(world, in_flight, max_imbalance):
     params, grads = _fulls(SPECS, seed=world, steps=3)
+    if max_imbalance is not None:
+        shapes = [s for _, s, _ in SPECS if len(s) == 2]
+        assert max(len(g) for g in ragged.assign_groups(shapes, world, max_imbalance=max_imbalance)) > 1
 
     def make(overlap):
         return lambda named: Muon(named, lr=0.02, weight_decay=0.01, adamw_lr=1e-2, overlap=overlap,
-                                  in_flight=in_flight)
+                                  in_flight=in_flight, max_imbalance=max_imbalance)
 
     # One intra-op thread: the ranks are threads of this process, and a matmul split over a pool that
     # other ranks' matmuls share at the same time may sum in another order (not a schedule difference).
