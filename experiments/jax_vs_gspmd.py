@@ -370,10 +370,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eigen-threads", action="store_true",
                    help="keep XLA:CPU's intra-op thread pool (read at import); writes jax_vs_gspmd_eigen.*")
     p.add_argument("--stem", help="results file name (default jax_vs_gspmd, or jax_vs_gspmd_eigen)")
+    p.add_argument("--models", default="llama-tiny,llama-small,moe", help="comma-separated, of the default")
     args = p.parse_args(argv)
     assert jax.device_count() >= DEVICES, f"needs {DEVICES} devices, found {jax.device_count()}"
     models = {"llama-tiny": (LLAMA_TINY, 32, True), "llama-small": (LLAMA_SMALL, 16, False),
               "moe": ("MoE(vocab 512, dim 96, hidden 160, 4 experts, 4 blocks, tied head)", 16, False)}
+    models = {m: models[m] for m in args.models.split(",")}
     rows, raw, statements = [], {}, []
     for name, (config, batch, extra) in models.items():
         if name == "moe":
