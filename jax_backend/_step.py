@@ -156,6 +156,9 @@ def _residual_as_argument(vjp: Any, leaf: jax.Array) -> jax.tree_util.Partial:
     """``vjp`` (a pytree over its residuals) as ``f(new_leaf, grad)``: the residuals that are ``leaf`` (none
     when the backward needs no parameter, e.g. an embedding's) are replaced by ``new_leaf`` when it runs."""
     leaves, treedef = jax.tree_util.tree_flatten(vjp)
+    # jax.vjp passes a primal input that the backward needs through as a residual, the same tracer. Were
+    # that to change, nothing would be replaced: still correct, but XLA would merge the two gathers (the
+    # compiled-program tests count them).
     where = {i for i, x in enumerate(leaves) if x is leaf}
 
     def call(*args: Any) -> Any:
@@ -277,9 +280,7 @@ class FSDP:
     reshard_after_forward: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.reshard_after_forward is None:
-            object.__setattr__(self, "reshard_after_forward", self.remat)
-        if self.remat and not self.reshard_after_forward:
+        if self.remat and self.reshard_after_forward is False:
             raise ValueError("remat=True re-gathers each unit in its backward (it keeps only the shard and "
                              "the unit's input); it cannot be combined with reshard_after_forward=False")
         object.__setattr__(self, "layouts", tuple(self.layouts))
