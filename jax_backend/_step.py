@@ -139,7 +139,8 @@ run_resharded.defvjp(_resharded_fwd, _resharded_bwd)
 
 _UNIT_SHARD = "ragged_fsdp_unit_shard"
 # Saving these would keep a copy of the gathered parameters (a slice, a reshape, ``w.T``, a cast), so the
-# backward recomputes them from the re-gathered unit; they move bytes and compute nothing.
+# backward recomputes them from the re-gathered unit; they move bytes and compute nothing (applied to an
+# activation, the backward recomputes them from the saved input: a copy, no arithmetic).
 _RECOMPUTED = frozenset({"all_gather", "slice", "reshape", "transpose", "convert_element_type", "squeeze",
                          "expand_dims", "broadcast_in_dim", "copy", "copy_p"})
 
