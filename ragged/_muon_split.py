@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ragged._errors import PlanningError
-from ragged._muon_roots import NS_COEFFS, NS_STEPS, Shape, newton_schulz_flops
+from ragged._muon_roots import NS_COEFFS, NS_STEPS, Shape, assign_roots, newton_schulz_flops
 
 
 def _wide(shape: Shape) -> tuple[int, int]:
@@ -135,13 +135,14 @@ def group_load(shapes: Sequence[Shape], groups: Sequence[Sequence[int]], world_s
 
 
 def assign_groups(shapes: Sequence[Shape], world_size: int, *,
-                  max_imbalance: float = 1.1) -> tuple[tuple[int, ...], ...]:
+                  max_imbalance: float | None = 1.1) -> tuple[tuple[int, ...], ...]:
     """The devices that run each matrix's Newton-Schulz (one device, or a split group), balanced.
 
     Args:
         shapes: the 2-D matrices, in parameter order.
         world_size: the number of devices.
-        max_imbalance: the target ``max / mean`` of per-device FLOPs (``group_load``).
+        max_imbalance: the target ``max / mean`` of per-device FLOPs (``group_load``); ``None``: one root
+            per matrix (``assign_roots``), never split (the runtimes' default).
 
     Returns:
         Per matrix, the sorted devices of its group. With no split needed these are ``assign_roots``'s
@@ -149,11 +150,16 @@ def assign_groups(shapes: Sequence[Shape], world_size: int, *,
         further) whose placement meets ``max_imbalance``, or the most balanced one tried.
 
     Raises:
-        PlanningError: ``world_size < 1`` or a shape that is not 2-D.
+        PlanningError: ``world_size < 1``, ``max_imbalance < 1`` or a shape that is not 2-D.
     """
     if world_size < 1:
         raise PlanningError(f"assign_groups: world_size {world_size} must be >= 1")
+    if max_imbalance is not None and not max_imbalance >= 1:
+        raise PlanningError(f"assign_groups: max_imbalance={max_imbalance} is a max / mean ratio, "
+                            "it must be >= 1")
     costs = [newton_schulz_flops(tuple(s)) for s in shapes]
+    if max_imbalance is None:  # whole matrices: one root each, never split
+        return tuple((root,) for root in assign_roots(costs, world_size))
     options = [[d for d in _divisors(math.gcd(*_wide(tuple(s)))) if d <= world_size] for s in shapes]
     mean = sum(costs) / world_size
 

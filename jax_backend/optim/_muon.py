@@ -121,16 +121,10 @@ def muon_plan(layouts: Sequence[Layout], axis: str, *, in_flight: int | None = 2
     """
     if in_flight is not None and in_flight < 1:
         raise ValueError(f"muon_plan: in_flight={in_flight} must be >= 1 (or None for sequential)")
-    if max_imbalance is not None and not max_imbalance >= 1:
-        raise ValueError(f"muon_plan: max_imbalance={max_imbalance} is a max / mean ratio, it must be >= 1")
     layouts = tuple(layouts)
     world = layouts[0].world_size if layouts else 1
     found = [(lay.name, t) for lay in layouts for t in lay.tensors if len(t.shape) == 2]
-    if max_imbalance is None:
-        roots = ragged.assign_roots([ragged.newton_schulz_flops(t.shape) for _, t in found], world)
-        groups = tuple((r,) for r in roots)
-    else:
-        groups = ragged.assign_groups([t.shape for _, t in found], world, max_imbalance=max_imbalance)
+    groups = ragged.assign_groups([t.shape for _, t in found], world, max_imbalance=max_imbalance)
     for (unit, t), group in zip(found, groups):
         if t.shape[0] % len(group) or t.shape[1] % len(group):
             raise ValueError(f"muon_plan: {t.name} of unit {unit!r} has shape {t.shape}; a split "

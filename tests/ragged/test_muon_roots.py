@@ -119,3 +119,11 @@ def test_llama3_8b_layers_balance_within_ten_percent_with_split_groups(world):
         assert max(costs) / load.mean() > 2.1
         assert {s: len(d) for s, d in zip(mats, groups)} == {(4096, 4096): 1, (1024, 4096): 1,
                                                              (14336, 4096): 4, (4096, 14336): 4}
+
+
+def test_assign_groups_without_a_target_is_one_root_per_matrix_and_refuses_a_target_below_one():
+    shapes = [(64, 32), (32, 32), (128, 64), (16, 48)]
+    roots = ragged.assign_roots([ragged.newton_schulz_flops(s) for s in shapes], 3)
+    assert ragged.assign_groups(shapes, 3, max_imbalance=None) == tuple((r,) for r in roots)
+    with pytest.raises(ragged.PlanningError, match=r"max_imbalance=0.9 is a max / mean ratio"):
+        ragged.assign_groups(shapes, 3, max_imbalance=0.9)

@@ -158,8 +158,6 @@ class Muon(ParamwiseOptimizer):
                  max_imbalance: float | None = None) -> None:
         if in_flight < 1:
             raise ValueError(f"Muon: in_flight={in_flight} must be >= 1 (buckets in flight at once)")
-        if max_imbalance is not None and not max_imbalance >= 1:
-            raise ValueError(f"Muon: max_imbalance={max_imbalance} is a max / mean ratio, it must be >= 1")
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps))
         self.overlap, self.in_flight, self.ns_dtype = overlap, in_flight, ns_dtype
@@ -177,11 +175,7 @@ class Muon(ParamwiseOptimizer):
             )
         world = worlds[0] if worlds else 1
         shapes = [tuple(p.shape) for p in matrices]
-        if max_imbalance is None:
-            groups = tuple((r,) for r in ragged.assign_roots([ragged.newton_schulz_flops(s) for s in shapes],
-                                                             world))
-        else:
-            groups = ragged.assign_groups(shapes, world, max_imbalance=max_imbalance)
+        groups = ragged.assign_groups(shapes, world, max_imbalance=max_imbalance)  # checks max_imbalance >= 1
         self._load = ragged.group_load(shapes, groups, world)  # also checks that every g divides its matrix
         self._groups = {id(p): devices for p, devices in zip(matrices, groups)}
         self._subgroups = self._new_subgroups(matrices, names, world)
