@@ -98,10 +98,12 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessG
                   lambda: reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, unit: str) -> Pending:
-    """Sum ``tensor`` in place over ``group`` (HSDP: across replicas, after the reduce-scatter)."""
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, unit: str,
+               op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
+    """Reduce ``tensor`` in place over ``group`` (sum by default; HSDP: across replicas, after the
+    reduce-scatter)."""
     return _issue("all_reduce", unit, group, tensor,
-                  lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
+                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],

@@ -387,17 +387,24 @@ def _state_dicts(mesh) -> dict:
     return out
 
 
-def _forward_method(mesh) -> float:
-    """A method other than ``forward`` runs through the hooks once registered."""
+def _forward_method(mesh) -> dict:
+    """A method other than ``forward`` that transposes a parameter: refused naming the fix, then run
+    through the hooks once registered."""
     from torch_backend import fully_shard, register_fsdp_forward_method
 
     torch.manual_seed(SEED)
     plain = _Scaled()
     model = fully_shard(copy.deepcopy(plain), mesh=mesh)
-    register_fsdp_forward_method(model, "project")
     x = torch.randn(3, 4)
+    try:
+        model.project(x)
+        unregistered = "no error"
+    except NotImplementedError as e:
+        unregistered = str(e)
+    register_fsdp_forward_method(model, "project")
     with torch.no_grad():
-        return float((model.project(x) - plain.project(x)).abs().max())
+        return {"unregistered": unregistered,
+                "registered": float((model.project(x) - plain.project(x)).abs().max())}
 
 
 def _small_mesh() -> str:

@@ -34,8 +34,11 @@ def test_survivor_names_the_collective_within_the_timeout(tmp_path, how):
     assert isinstance(survivor, dict) and survivor.get("during") == "training", survivor
     error = survivor["error"]
     assert error is not None and error.startswith("CollectiveError"), error
-    assert re.search(r"(all_gather|reduce_scatter) of unit '(tok_embeddings|layers\.\d|output)' .* on rank 0",
-                     error), error
+    # the unit's all-gather or reduce-scatter, or the check that precedes a unit's forward
+    unit = r"(tok_embeddings|layers\.\d|output)"
+    collective = rf"(all_gather|reduce_scatter) of unit '{unit}'"
+    check = rf"all_reduce of unit '(forward|backward|reduce-scatter) of {unit} \(check\)'"  # before each
+    assert re.search(rf"({collective}|{check}) .* on rank 0", error), error
     assert survivor["seconds"] < PG_TIMEOUT_S + 2
     if how == "hang":  # nothing closed a connection: the process group's timeout ended the wait
         assert survivor["seconds"] > PG_TIMEOUT_S * 0.8 and "timed out" in error.lower(), error

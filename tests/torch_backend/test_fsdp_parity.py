@@ -110,7 +110,12 @@ def test_debug_counter_one_all_gather_and_one_reduce_scatter_per_unit(run, resha
     # the root is gathered again for backward (the root here holds no parameters of its own).
     assert c["all_gather"] == {u: 1 if not reshard else 2 for u in units}
     assert c["reduce_scatter"] == {u: 1 for u in units}
-    assert c["all_reduce"] == {"clip_grad_norm_": 1}
+    # Control collectives, a few ints each: the ranks agree on each unit's forward, backward and
+    # reduce-scatter before it communicates, and share which gradients landed (fsdp/_hooks.py).
+    events = ("forward", "backward", "reduce-scatter")
+    events = ("forward", "backward", "reduce-scatter")
+    checks = {f"{event} of {u} (check)": 1 for u in units for event in events}
+    assert c["all_reduce"] == {"clip_grad_norm_": 1, "landed gradients": 1, **checks}
     assert c["copy_bytes"] == 0 and c["cast_bytes"] == 0
     padded = sum(c["padded_numel"].values()) * 4  # fp32 buffers, padding included
     assert c["bytes"]["reduce_scatter"] == padded

@@ -4,22 +4,41 @@ Mechanism (FSDP2's): a forward pre-hook unshards the unit (one all-gather) and p
 a forward hook reshards it (when ``reshard_after_forward``) and hooks the outputs so that the first
 gradient reaching them unshards the unit again before its backward and prefetches the previous unit.
 Gradients land in the unit's unsharded gradient buffer (set up by a hook on the unit's first
-gradient); when the last one lands (a post-accumulate-grad hook) the unit finishes the reduce-scatter
-issued before it (which overlapped with this unit's backward), reshards and issues its own. The root
-(the outermost unit, found at the first forward) queues a callback at the end of backward that
-finishes every reduce and reshards whatever is still unsharded.
+gradient). A unit's backward is over when all its gradients landed or when its inputs' gradients are
+computed (FSDP2's post-backward trigger); it then reshards, and its reduce-scatter is issued once every
+unit after it in forward order has issued its own. The root (the outermost unit, found at the first
+forward) queues a callback at the end of backward that reduces the units left, finishes every reduce
+and reshards whatever is still unsharded.
+
+Collectives never depend on the data. Every rank reduce-scatters every training unit that ran forward,
+in reverse forward order, whether or not its parameters were used on that rank (zeros where none
+were); one all-reduce at the end of backward tells every rank which parameters got a gradient on some
+rank (those get their ``.grad`` everywhere; one no rank used keeps None, as in single-process training).
+Which units run forward and get a gradient must not depend on the data: before each unit event that
+communicates (forward, backward, reduce-scatter) the ranks agree on it (``RootContext.agree``) and raise
+together, before the first mismatched collective, when their data took them down different paths.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from torch_backend._collectives import all_reduce
 from torch_backend._torch_internals import pytree, queue_backward_callback
 from torch_backend.fsdp._unit import Unit
+
+# The ranks agree on each unit event before it communicates: one 2-int all-reduce per unit and event (3
+# per step: forward, backward, reduce-scatter; on CUDA each is a host sync). A model whose units run and
+# get gradients alike on every rank whatever the data may turn the checks off.
+CHECK_EVENTS = os.environ.get("RAGGED_FSDP_CHECK_EVENTS", "1") != "0"
+FORWARD, BACKWARD, REDUCE = range(3)
+_EVENTS = ("forward", "backward", "reduce-scatter")
 
 
 class FSDPState:
@@ -42,6 +61,7 @@ class FSDPState:
         self.root = None
         self._modules_left = 0  # modules of the group whose forward has not finished this pass
         self._backward_started = False
+        self._backward_done = False  # this backward is over for the unit (reduce issued or queued)
         self._inputs_pending = 0  # forwards whose inputs have not received their gradients yet
         if unit is not None:
             unit.post_backward_callback = self._maybe_post_backward
@@ -65,10 +85,10 @@ class FSDPState:
         if self._modules_left > 0:  # a later module of the same group: already unsharded
             return args, kwargs
         self._modules_left = len(self.modules)
+        if not self.root.in_backward:
+            self.root.ran_forward(self, torch.is_grad_enabled())
         if self.unit is not None:
             self.unit.unshard()
-        if not self.root.in_backward:
-            self.root.forward_order.append(self)
         targets = self.forward_prefetch
         if targets is None:
             targets = self.root.next_in(self.root.last_forward_order, self, +1)
@@ -97,7 +117,8 @@ class FSDPState:
 
     def _inputs_done(self) -> None:
         self._inputs_pending -= 1
-        self._maybe_post_backward()
+        if self._inputs_pending == 0:  # every forward's backward is over: no gradient is still to come
+            self.post_backward()
 
     def _maybe_post_backward(self) -> None:
         unit = self.unit
@@ -122,6 +143,7 @@ class FSDPState:
         self._backward_started = True
         self.root.begin_backward()
         if self.unit is not None:
+            self.root.agree(BACKWARD, self)
             self.unit.unshard()
         targets = self.backward_prefetch
         if targets is None:
@@ -131,16 +153,12 @@ class FSDPState:
                 t.unit.unshard(async_op=True)
 
     def post_backward(self) -> None:
-        """All of this unit's gradients landed: finish the reduce issued before, reshard, reduce.
-
-        The previous unit's reduce-scatter ran while this unit's backward computed; finishing it first
-        frees its unsharded gradients before this unit's reduce needs memory, so one is in flight.
-        """
-        if self.unit is None:
+        """This unit's backward is over on this rank: reshard, and reduce when its turn comes."""
+        if self.unit is None or self._backward_done:
             return
-        self.root.finish_reduces()
-        if self.unit.post_backward():
-            self.root.reducing(self.unit)
+        self._backward_done = True
+        self.unit.reshard()
+        self.root.reduce_ready()
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -197,7 +215,7 @@ def _check_one_unit_per_parameter(tops: tuple[nn.Module, ...], states: list[FSDP
 
 
 class RootContext:
-    """Bookkeeping shared by every unit under the root: forward order, pending reduces, CUDA streams."""
+    """Bookkeeping shared by every unit under the root: forward order, reduce order, CUDA streams."""
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
@@ -206,7 +224,10 @@ class RootContext:
         self.forward_order: list[FSDPState] = []
         self.last_forward_order: list[FSDPState] = []
         self.in_backward = False
+        self._trained: list[FSDPState] = []  # units that ran forward with grad enabled, first call first
+        self._to_reduce: list[FSDPState] = []  # this backward's reduce order, not yet issued
         self._reducing: list[Unit] = []
+        self._reduced: list[Unit] = []
         device = next((s.unit.master.shard.device for s in self.states if s.unit is not None), None)
         cuda = device is not None and device.type == "cuda"
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
@@ -233,17 +254,75 @@ class RootContext:
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order = []
+        self._trained = []
         for s in self.states:
             s._inputs_pending = 0  # a forward whose backward never ran (e.g. evaluation with grads on)
+
+    def ran_forward(self, state: FSDPState, grad_enabled: bool) -> None:
+        """``state``'s forward starts (outside backward): check every rank runs it, record the order."""
+        if state.unit is not None:
+            self.agree(FORWARD, state)
+        self.forward_order.append(state)
+        if grad_enabled and state.unit is not None and state not in self._trained:
+            self._trained.append(state)
+
+    def agree(self, event: int, state: FSDPState) -> None:
+        """Raise on every rank unless every rank is about to run the same ``event`` of ``state``'s unit.
+
+        Called before each unit event that communicates (its forward, its backward, its reduce-scatter),
+        so ranks whose data took them down different paths stop together, before the first collective
+        that would pair one unit's buffer with another's (a silent mix, an abort or a hang).
+        """
+        if not CHECK_EVENTS:
+            return
+        unit = state.unit
+        code = event * len(self.states) + self.states.index(state)
+        seen = torch.tensor([code, -code], dtype=torch.int64, device=unit.master.shard.device)
+        for group in (unit.shard_group, unit.replicate_group):
+            if group is not None:
+                all_reduce(seen, group, unit=f"{_EVENTS[event]} of {unit.name} (check)",
+                           op=dist.ReduceOp.MAX).wait()
+        high, low = seen[0].item(), -seen[1].item()
+        if high != low:
+            other = low if low != code else high
+            raise RuntimeError(
+                f"fully_shard: the ranks disagree on what runs next: this rank runs {self._event(code)}, "
+                f"another rank runs {self._event(other)}. Their data took them down different paths: a "
+                "unit runs forward, or gets a gradient in backward, on some ranks and not on others. "
+                "Inside a unit, modules and parameters may be used on some ranks only (their gradient is "
+                "zero there), but every rank must run the same units and backpropagate into each of them: "
+                "shard such modules together with their parent (fully_shard the MoE layer, not each "
+                "expert), and add a loss term on every rank (times zero where it does not apply)")
+
+    def _event(self, code: int) -> str:
+        event, index = divmod(code, len(self.states))
+        return f"the {_EVENTS[event]} of unit {self.states[index].unit.name!r}"
 
     def begin_backward(self) -> None:
         if not self.in_backward:
             self.in_backward = True
+            # Reverse forward order, first calls last: a unit called twice finishes its backward with
+            # its first call. Every rank issues the reduce-scatters in this order.
+            self._to_reduce = [s for s in reversed(self._trained) if s.unit.trains]
+            self._reduced = []
             queue_backward_callback(self.end_backward)
 
-    def reducing(self, unit: Unit) -> None:
-        """``unit`` issued its reduce-scatter; it is finished by the next unit's or the final callback."""
-        self._reducing.append(unit)
+    def reduce_ready(self) -> None:
+        """Issue the reduce-scatters of the units at the head of the order whose backward is over.
+
+        The reduce issued before ran while this unit's backward computed; finishing it first frees its
+        unsharded gradients before the next reduce needs memory, so one is in flight.
+        """
+        while self._to_reduce and self._to_reduce[0]._backward_done:
+            self._reduce(self._to_reduce.pop(0))
+
+    def _reduce(self, state: FSDPState) -> None:
+        self.finish_reduces()
+        if state.unit.requires_grad_sync:
+            self.agree(REDUCE, state)
+        if state.unit.reduce_gradients():
+            self._reducing.append(state.unit)
+            self._reduced.append(state.unit)
 
     def finish_reduces(self) -> None:
         """Finish every issued reduce-scatter."""
@@ -252,16 +331,37 @@ class RootContext:
         self._reducing = []
 
     def end_backward(self) -> None:
-        """The end-of-backward callback: reduce units whose hooks did not all fire, finish, reshard."""
-        for s in self.states:
-            if s.unit is not None and s.unit.grads_ready:
-                s.post_backward()  # some parameter got no gradient (unused in this forward)
+        """The end-of-backward callback: reduce the units left in order, finish, give out the gradients."""
+        for s in self._to_reduce:  # their backward never ended here (no gradient reached them, ...)
+            s._backward_done = True
+            self._reduce(s)
+        self._to_reduce = []
         self.finish_reduces()
+        self._give_gradients()
         self.end_step()
         self.in_backward = False
         for s in self.states:
             s._backward_started = False
+            s._backward_done = False
             s._inputs_pending = 0
+
+    def _give_gradients(self) -> None:
+        """One MAX all-reduce of the reduced units' landed masks (per mesh), then the ``.grad`` views."""
+        by_groups: dict[tuple, list[Unit]] = {}
+        for unit in self._reduced:
+            by_groups.setdefault((unit.shard_group, unit.replicate_group), []).append(unit)
+        for (shard_group, replicate_group), units in by_groups.items():
+            masks = [u.landed_mask() for u in units]
+            used = torch.cat(masks)
+            for group in (shard_group, replicate_group):
+                if group is not None:
+                    all_reduce(used, group, unit="landed gradients", op=dist.ReduceOp.MAX).wait()
+            for u, part in zip(units, used.split([len(m) for m in masks])):
+                u.end_backward(part)
+        for s in self.states:
+            if s.unit is not None and s.unit not in self._reduced:
+                s.unit.end_backward(None)
+        self._reduced = []
 
     def end_step(self) -> None:
         """Reshard every unit (after backward, or after a forward that had no backward)."""

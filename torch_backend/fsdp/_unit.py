@@ -115,9 +115,10 @@ class Unit:
         self._accumulate_into_grads = False
         self._grads_ready = False  # unsharded .grad views are set for this backward
         self._unsynced_grads = False  # the unsharded gradient buffer holds grads of unsynced backwards
-        self._grads_left = 0  # params whose gradient has not landed yet in this backward
+        self._waiting: set[int] = set()  # params whose gradient has not landed yet in this backward
         self._landed: set[int] = set()  # indices of the params that received a gradient since the reduce
-        self._reduced: set[int] = set()  # those of them in the reduce in flight
+        self._reduced: set[int] | None = None  # those of them in the last reduce; None: not reduced yet
+        self._reduced_in_backward = False  # this backward issued the unit's reduce-scatter
         self._version = -1  # the unsharded buffer's version once filled (to detect user writes)
         self._keep_version: preserve_version_counter | None = None
         self.post_backward_callback = None  # set by the hooks: called when all gradients landed
@@ -262,14 +263,21 @@ class Unit:
         """Point every unsharded parameter's ``.grad`` at its view of the (zeroed) gradient buffer."""
         if self._grads_ready:
             return
+        if self._reduced_in_backward:
+            # A gradient after the unit's reduce-scatter would be lost, and reducing again on this rank
+            # only would pair with another unit's collective on the others.
+            raise RuntimeError(
+                f"fully_shard: unit {self.name!r} received a gradient after its reduce-scatter in this "
+                "backward: its backward had ended (its inputs' gradients were computed); a parameter of the "
+                "unit is used by a computation that does not depend on the unit's inputs and runs later")
         if not self._unsynced_grads:
             self.grads.alloc_full()
             self.grads.full.zero_()
-        self._grads_left = 0
-        for ref, p in zip(self.refs, self.unsharded):
+        self._waiting = set()
+        for i, (ref, p) in enumerate(zip(self.refs, self.unsharded)):
             if p.requires_grad:
                 p.grad = self.grads.full_view(ref.name)
-                self._grads_left += 1
+                self._waiting.add(i)
         self._grads_ready = True
 
     @property
@@ -280,19 +288,32 @@ class Unit:
     @property
     def all_grads_landed(self) -> bool:
         """Every gradient of this backward has landed in the unsharded gradient buffer."""
-        return self._grads_ready and self._grads_left == 0
+        return self._grads_ready and not self._waiting
+
+    @property
+    def trains(self) -> bool:
+        """Some parameter requires a gradient: the unit takes part in every backward's reduce-scatters."""
+        return any(p.requires_grad for p in self.sharded)
 
     def _on_grad_accumulated(self, index: int) -> None:
         self._landed.add(index)
-        self._grads_left -= 1
-        if self._grads_left == 0 and self.post_backward_callback is not None:
-            self.post_backward_callback()
+        if index in self._waiting:  # once per parameter and backward (a retained graph may run twice)
+            self._waiting.remove(index)
+            if not self._waiting and self.post_backward_callback is not None:
+                self.post_backward_callback()
 
-    def post_backward(self) -> bool:
-        """Reshard, then reduce-scatter the gradients (issued, not waited). Returns True if it reduced."""
+    def reduce_gradients(self) -> bool:
+        """Reduce-scatter this backward's gradients (issued, not waited). Returns True if it reduced.
+
+        Called for every training unit that ran forward, on every rank, in the same order, whether or
+        not a gradient reached it on this rank: a rank where no parameter of the unit was used (an
+        expert that got no tokens) contributes zeros, so the collectives never depend on the data.
+        """
         self.reshard()
         if not self._grads_ready:
-            return False
+            if not (self.trains and self.requires_grad_sync):
+                return False
+            self.prepare_gradients()  # zeros (or what unsynced backwards accumulated)
         self._grads_ready = False
         for p in self.unsharded:
             p.grad = None
@@ -300,6 +321,7 @@ class Unit:
             self._unsynced_grads = True  # keep accumulating unsharded gradients until a synced backward
             return False
         self._unsynced_grads = False
+        self._reduced_in_backward = True
         self._reduced, self._landed = self._landed, set()
         self._accumulate_into_grads = any(p.grad is not None for p in self.sharded)
         direct = not self._accumulate_into_grads and self.reduce.dtype == self.main_grad.dtype
@@ -316,6 +338,27 @@ class Unit:
             self._pending_reduce = reduce_scatter(self._reduce_out, self.reduce.full, self.shard_group,
                                                   unit=self.name)
         return True
+
+    def landed_mask(self) -> torch.Tensor:
+        """1 for each parameter that got a gradient on this rank since the previous reduce, else 0."""
+        mask = torch.zeros(len(self.refs), dtype=torch.int32, device=self.main_grad.shard.device)
+        mask[sorted(self._reduced or ())] = 1
+        return mask
+
+    def end_backward(self, used_anywhere: torch.Tensor | None) -> None:
+        """Give the sharded parameters their ``.grad`` views once the reduce is finished.
+
+        ``used_anywhere`` (the landed masks, maxed over every rank of the mesh) says which parameters
+        got a gradient on some rank: those get the averaged shard on every rank, including the ranks
+        that did not use them; a parameter no rank used keeps ``.grad`` None, as in single-process
+        training (optimizers skip it). None: the unit did not reduce in this backward.
+        """
+        self._reduced_in_backward = False
+        if used_anywhere is None:
+            return
+        for p, g, used in zip(self.sharded, self._sharded_grads, used_anywhere.tolist()):
+            if p.grad is None and used:
+                p.grad = g
 
     def release_unused_gradients(self) -> None:
         """Free the sharded gradient shard if no sharded parameter holds its gradient (after zero_grad)."""
@@ -343,6 +386,3 @@ class Unit:
         self._reduce_out = None
         self.grads.free_full()
         self.reduce.free_full()
-        for i, (p, g) in enumerate(zip(self.sharded, self._sharded_grads)):
-            if p.grad is None and i in self._reduced:  # no gradient: None, as FSDP2 (optimizers skip it)
-                p.grad = g

@@ -144,7 +144,9 @@ def _error(op, operand: Operand, why: str) -> UnsupportedRaggedOp:
     return UnsupportedRaggedOp(
         f"{op}: no RaggedShard sharding rule for an operand of shape {operand.shape} with placements "
         f"{operand.placements}: {why}. Redistribute it (e.g. dt.redistribute(mesh, [Replicate()]) or "
-        "dt.full_tensor()) before calling this op."
+        "dt.full_tensor()) before calling this op. If it is a parameter sharded by fully_shard, read in a "
+        "module method other than forward, register that method with "
+        "register_fsdp_forward_method(module, name): it then runs on the unsharded parameters."
     )
 
 
