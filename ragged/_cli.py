@@ -1,4 +1,4 @@
-"""The ``ragged`` command: ``plan``, ``sweep`` and ``advise`` (see docs/cli.md).
+"""The ``ragged`` command: ``plan``, ``sweep``, ``advise`` and ``simulate`` (see docs/cli.md).
 
 Human output is a rich table; ``--json OUT`` writes the machine-readable result (``-`` for stdout).
 Bad input prints one line, ``ragged: error: ...``, and exits with status 2.
@@ -29,6 +29,7 @@ from ragged._sweep import (
     compare_units,
     padding_sweep,
 )
+from ragged.simulate._cli import add_parser as add_simulate_parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--itemsize", type=int, default=4)
     a.add_argument("--json", metavar="OUT", help="write every option as JSON to OUT ('-' for stdout)")
     a.set_defaults(run=_run_advise)
+    add_simulate_parser(sub)
     return p
 
 
