@@ -5,10 +5,11 @@ FSDP's step, as FSDP2 and ours run it (``reshard_after_forward=True``, prefetch 
 - forward, unit ``i`` in model order: all-gather ``i`` (comm) then forward ``i`` (compute). The
   all-gather of ``i`` may start once the forward of ``i - 2`` has ended: two unsharded units at a time
   (the one running and the one prefetched), as the memory plan counts;
-- backward, units in reverse: all-gather ``i`` again, backward ``i``, then reduce-scatter ``i`` (and the
-  HSDP all-reduce) once its gradient exists. The comm stream runs the prefetched all-gather of ``i - 1``
-  before the reduce-scatter of ``i``, as FSDP2 issues them; the all-gather of ``i`` waits for the
-  backward of ``i + 2``;
+- backward, units in reverse: all-gather ``i`` again (not the last unit, which stays gathered from its
+  forward, as FSDP2 leaves the root and torchtitan the last layer unresharded), backward ``i``, then
+  reduce-scatter ``i`` (and the HSDP all-reduce) once its gradient exists. The comm stream runs the
+  prefetched all-gather of ``i - 1`` before the reduce-scatter of ``i``, as FSDP2 issues them; the
+  all-gather of ``i`` waits for the backward of ``i + 2``;
 - the optimizer step runs after the last reduction.
 
 All collectives share one communication stream: all-gather and reduce-scatter on separate NCCL streams
@@ -84,11 +85,13 @@ def build_step(units: list[UnitTimes], optimizer: float) -> list[Op]:
         gathered[i] = add(COMM, "all_gather", units[i], "backward", units[i].all_gather, [ci])
 
     reductions: list[int] = []
-    gather(k - 1)
     for i in range(k - 1, -1, -1):
         u = units[i]
-        co = add(COMPUTE, "copy_out", u, "backward", u.ag_copy_out, [gathered[i]])
-        bwd[i] = add(COMPUTE, "backward", u, "backward", u.backward, [co])
+        if i == k - 1:  # still gathered from its forward
+            bwd[i] = add(COMPUTE, "backward", u, "backward", u.backward, [fwd[-1]])
+        else:
+            co = add(COMPUTE, "copy_out", u, "backward", u.ag_copy_out, [gathered[i]])
+            bwd[i] = add(COMPUTE, "backward", u, "backward", u.backward, [co])
         if i >= 1:
             gather(i - 1)  # prefetched before this unit's reduce-scatter
         ci = add(COMM, "copy_in", u, "backward", u.rs_copy_in, [bwd[i]])

@@ -77,7 +77,7 @@ class StepResult:
     tokens_per_s: float
     mfu: float
     padding_ratio: float
-    allgather_bytes: int  # one device receives per step (forward and backward all-gathers)
+    allgather_bytes: int  # one device receives per step (forward, and backward but for the last unit)
     memory: MemoryPlan
     transient_bytes: int
     reserve: float
@@ -183,7 +183,8 @@ def _simulate_method(method: str, specs: Sequence[UnitSpecs], compared: list, pl
         copy_s=copy_s, comm_s=comm_s, exposed_comm_s=step - busy, tokens_per_s=tokens,
         mfu=flops_per_token(c, config.seq_len) * tokens / config.gpus / hw.peak_flops,
         padding_ratio=1 - sum(u.used_numel for u in costs) / sum(u.buffer_numel for u in costs),
-        allgather_bytes=2 * sum(u.allgather_received_bytes for u in costs),
+        allgather_bytes=(2 * sum(u.allgather_received_bytes for u in costs)
+                         - costs[-1].allgather_received_bytes),
         memory=with_buffers(plan, [(u.shard_numel, u.buffer_numel) for u in costs]),
         transient_bytes=m.transient_units * biggest * cb, reserve=m.reserve,
         units=tuple(costs), times=tuple(times), ops=tuple(ops))
