@@ -13,7 +13,7 @@ from typing import Any
 from ragged._errors import RaggedError
 from ragged._granularity import Granularity
 from ragged._memory import trained_llama, trained_model_names
-from ragged._presets import model_shapes
+from ragged._presets import llama_shapes, model_names, model_shapes
 from ragged._shapes_file import read_shapes_file
 from ragged.simulate._calibration import calibrate, load_calibration
 from ragged.simulate._efficiency import Efficiency
@@ -56,7 +56,10 @@ def run(args: argparse.Namespace) -> int:
         raise RaggedError("--shapes needs --like PRESET: the llama whose compute and activations stand in")
     c, modelled = trained_llama(source)
     matrix = str(Granularity.parse(args.granularity))
-    units = model_shapes(args.model) if args.model else read_shapes_file(args.shapes, matrix)
+    if args.shapes:
+        units = read_shapes_file(args.shapes, matrix)
+    else:  # a trained llama that is not a shape preset (llama3.2-1b) has the llama's own shapes
+        units = model_shapes(args.model) if args.model in model_names() else llama_shapes(args.model, c)
     config = StepConfig(args.gpus, args.hsdp, args.batch, args.seq_len, matrix, optimizer=args.optimizer,
                         activation_checkpointing=args.ac)
     eff = Efficiency()

@@ -309,6 +309,12 @@ def test_cli_simulate_errors(tmp_path, capsys):
     args = ["simulate", "--shapes", str(shapes), "--like", "llama-tiny", "--gpus", "2", "--json", "-"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["gpus"] == 2
+    # a trained llama that is not a shape preset gets its llama's shapes
+    args = ["simulate", "--model", "llama3.2-1b", "--gpus", "8", "--methods", "ours", "--json", "-"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["padding_ratio"] < 0.01
+    assert main(["simulate", "--model", "gpt-5", "--gpus", "8"]) == 2
+    assert "unknown model" in capsys.readouterr().err
 
 
 def test_timeline_svg_draws_every_op():
