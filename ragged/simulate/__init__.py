@@ -5,6 +5,7 @@ for ours, FSDP2 and Megatron-FSDP from the same units' buffers; calibration from
 docs/simulate.md for the model, its constants and what it leaves out.
 """
 
+from ragged.simulate._advise_step import StepOption, advise_step_time
 from ragged.simulate._calibration import Calibration, calibrate, load_calibration
 from ragged.simulate._collectives import Link, collective_time, hierarchical_time, ring_link, ring_time
 from ragged.simulate._efficiency import Efficiency
@@ -24,9 +25,11 @@ __all__ = [
     "Method",
     "Op",
     "StepConfig",
+    "StepOption",
     "StepResult",
     "UnitCost",
     "UnitTimes",
+    "advise_step_time",
     "calibrate",
     "collective_time",
     "hardware",

@@ -15,6 +15,7 @@ from ragged._granularity import Granularity
 from ragged._memory import trained_llama, trained_model_names
 from ragged._presets import llama_shapes, model_names, model_shapes
 from ragged._shapes_file import read_shapes_file
+from ragged.simulate._advise_step import advise_step_time
 from ragged.simulate._calibration import calibrate, load_calibration
 from ragged.simulate._efficiency import Efficiency
 from ragged.simulate._hardware import PROFILES, hardware
@@ -108,6 +109,39 @@ def _print(results: list[StepResult], model: str, modelled: str, hbm: float) -> 
     console.print(table)
     console.print(f"compute modelled as: {modelled}. 'with reserve' adds the allocator reserve the paper "
                   "measured for each baseline (not derived here). See docs/simulate.md.")
+
+
+def run_advise(args: argparse.Namespace) -> int:
+    """``ragged advise --hardware H``: rank the HSDP options by simulated step time (1 x 4096 tokens per
+    GPU, AdamW, activation checkpointing, default efficiencies) and recommend the fastest that fits."""
+    from dataclasses import asdict
+
+    c, _ = trained_llama(args.model)
+    merges = [int(x) for x in args.merge_factors.split(",") if x.strip()]
+    options, best = advise_step_time(model_shapes(args.model), c, hardware(args.hardware), args.gpus,
+                                     merge_factors=merges, granularity=args.granularity)
+    if args.json:
+        text = json.dumps({"options": [asdict(o) for o in options], "recommended": best and asdict(best)})
+        if args.json == "-":
+            print(text)
+            return 0
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{args.model} on {args.gpus} {args.hardware}: HSDP options by simulated step time "
+                        "(ours, 1 x 4096 tokens/GPU, AdamW, activation checkpointing)", title_justify="left")
+    for i, col in enumerate(["group", "replicas", "merge", "padding", "step ms", "tokens/s/GPU", "peak", ""]):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+    for o in options:
+        mark = "<- recommended" if o == best else ("" if o.fits else "out of memory")
+        table.add_row(str(o.group_size), str(o.replicas), str(o.merge), f"{100 * o.padding_ratio:.2f}%",
+                      f"{1e3 * o.step_s:,.1f}", f"{o.tokens_per_s_per_gpu:,.0f}", _gib(o.peak_bytes), mark)
+    Console(width=200).print(table)
+    if best is None:
+        print("no option fits in memory: more GPUs, adam8bit, or a shorter sequence")
+    return 0
 
 
 def _gib(n: float) -> str:

@@ -25,6 +25,7 @@ from ragged.simulate import (
     Link,
     StepConfig,
     UnitTimes,
+    advise_step_time,
     calibrate,
     collective_time,
     hardware,
@@ -323,3 +324,25 @@ def test_timeline_svg_draws_every_op():
     text = timeline_svg(results)
     drawn = sum(1 for r in results for o in r.ops if o.seconds > 0)
     assert text.count("<rect class=") == drawn and math.isfinite(results[0].step_s)
+
+
+# ----- advise by step time ------------------------------------------------------------------------
+def test_advise_by_step_time_ranks_the_simulated_options():
+    from ragged._advise import merge_layers
+
+    c, _ = trained_llama("llama-tiny")
+    hw = PROFILES["a100"]
+    options, best = advise_step_time(model_shapes("llama-tiny"), c, hw, 8, merge_factors=(1, 2), seq_len=256)
+    assert sorted((o.group_size, o.merge) for o in options) == [(g, k) for g in (1, 2, 4, 8) for k in (1, 2)]
+    assert [o.step_s for o in options] == sorted(o.step_s for o in options)
+    assert best is not None and best.fits
+    for o in options:  # each option is the simulator's own step for that configuration
+        r = simulate(merge_layers(model_units("llama-tiny"), o.merge), c, hw,
+                     StepConfig(8, o.replicas, seq_len=256), methods=["ours"])[0]
+        assert (r.step_s, r.peak_bytes) == (o.step_s, o.peak_bytes)
+
+
+def test_cli_advise_by_step_time(capsys):
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "8", "--hardware", "h800", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"] == min((o for o in data["options"] if o["fits"]), key=lambda o: o["step_s"])
