@@ -58,13 +58,18 @@ def ring_time(kind: str, p: int, nbytes: float, link: Link) -> float:
 def group_shape(hw: Hardware, p: int, stride: int) -> tuple[int, int]:
     """``(local, nodes)``: members per node and nodes spanned by ``p`` ranks ``stride`` apart.
 
-    Ranks fill nodes in order (rank ``r`` on node ``r // gpus_per_node``) and groups are aligned, so a
-    group is ``local`` members in each of ``nodes`` nodes.
+    Ranks fill nodes in order (rank ``r`` on node ``r // gpus_per_node``). A group whose ranks span at
+    most one node is taken to sit inside one; a larger one must cover whole nodes the same way in each.
+
+    Raises:
+        RaggedError: the group straddles nodes unevenly (12 ranks on nodes of 8).
     """
-    local = max(1, min(p, hw.gpus_per_node // stride)) if stride < hw.gpus_per_node else 1
-    if p % local:
-        raise RaggedError(f"a group of {p} ranks {stride} apart does not fill nodes of {hw.gpus_per_node} "
-                          "GPUs evenly")
+    n = hw.gpus_per_node
+    span = p * stride  # consecutive ranks the group's pattern covers
+    local = min(p, max(1, n // stride))
+    even = span <= n or (span % n == 0 and (stride % n == 0 or n % stride == 0))
+    if not even or p % local:
+        raise RaggedError(f"a group of {p} ranks {stride} apart does not fill nodes of {n} GPUs evenly")
     return local, p // local
 
 
@@ -106,6 +111,8 @@ def collective_time(kind: str, hw: Hardware, p: int, nbytes: float, *, stride: i
             size for an HSDP replica group).
         efficiency: the fraction of link bandwidth the collective reaches.
     """
+    if p == 1:
+        return 0.0
     flat = ring_time(kind, p, nbytes, ring_link(hw, p, stride, efficiency))
     local, nodes = group_shape(hw, p, stride)
     if nodes == 1 or local == 1:

@@ -122,6 +122,18 @@ def test_ring_links_inside_and_across_nodes():
     assert ring_link(H800, 8, 4, 1.0).beta == 100e9
 
 
+def test_groups_must_fill_nodes_evenly():
+    with pytest.raises(RaggedError, match="group of 12 ranks 1 apart does not fill nodes of 8"):
+        collective_time("all_gather", H800, 12, 1e6)
+    # a group inside one node, even one that does not divide it
+    want = 5 * (H800.intra_latency + 1e6 / 200e9)
+    assert collective_time("all_gather", H800, 6, 1e6) == pytest.approx(want)
+    assert collective_time("all_reduce", H800, 1, 1e6, stride=3) == 0.0
+    with pytest.raises(RaggedError, match="group of 4 ranks 12 apart"):
+        collective_time("all_reduce", H800, 4, 1e6, stride=12)
+    assert ring_link(H800, 16, 4, 1.0).beta == 100e9  # ranks 0, 4, 8, ...: two per node
+
+
 def test_collective_time_takes_the_faster_algorithm():
     n = 100e6  # bandwidth-bound: the flat ring at NVLink speed beats inter-node rings on one NIC
     flat = 63 * (H800.inter_latency + n / 200e9)
