@@ -83,6 +83,21 @@ def figure8(eff: Efficiency) -> list[dict]:
     return out
 
 
+def sensitivity(eff: Efficiency) -> list[dict]:
+    """FSDP@128 at 1, 2 and 4 sequences per GPU: how much the unknown batch moves the Figure 8 ratios."""
+    out = []
+    for model in ("llama3-70b", "gpt-oss-120b"):
+        c, _ = trained_llama(model)
+        for batch in (1, 2, 4):
+            cfg = StepConfig(128, 1, batch, SEQ)
+            r = {x.method: x for x in simulate(model_shapes(model), c, H800, cfg, efficiency=eff, name=model)}
+            out.append({"model": model, "tokens_per_gpu": batch * SEQ,
+                        "speedup_vs_fsdp2": r["ours"].tokens_per_s / r["fsdp2"].tokens_per_s,
+                        "speedup_vs_megatron": r["ours"].tokens_per_s / r["megatron"].tokens_per_s,
+                        "mfu_ours": r["ours"].mfu, "fits": {m: x.fits(H800) for m, x in r.items()}})
+    return out
+
+
 def moe_800b() -> tuple[ModelShapes, object]:
     """DeepSeek-V3's public layer shapes with 72 layers (3 dense, 69 MoE): about 800B parameters."""
     base = model_shapes("deepseek-v3")
@@ -178,6 +193,16 @@ def report(data: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     held = ", ".join(f"{r['model']} {r['config']} {_pct(r['held_saving_vs_fsdp2'])}" for r in data["figure8"])
     lines += [
+        "", "How much the unknown batch matters (FSDP@128):", "",
+        "| model | tokens/GPU | ours/FSDP2 | ours/Megatron | MFU ours | fits (ours/FSDP2/Megatron) |",
+        "|---|---|---|---|---|---|",
+        *(f"| {r['model']} | {r['tokens_per_gpu']:,} | {r['speedup_vs_fsdp2']:.3f} | "
+          f"{r['speedup_vs_megatron']:.3f} | {100 * r['mfu_ours']:.1f}% | "
+          + "/".join("yes" if r["fits"][m] else "OOM" for m in ("ours", "fsdp2", "megatron")) + " |"
+          for r in data["sensitivity"]),
+        "", "The dense model's gain shrinks as more tokens per GPU hide the communication and FSDP2's copies "
+        "(the paper's 5% lies inside the simulated range); the MoE without EP stays communication-bound, so "
+        "its ratio does not move with the batch.",
         "", "Peak memory includes each baseline's allocator reserve *as the paper measured it* (FSDP2 12%, "
         "Megatron-FSDP 24%): that part is the paper's number, not a prediction. On held bytes alone (no "
         f"reserve), ours saves against FSDP2: {held}.", "", "### Against the paper's claims", "",
@@ -252,7 +277,8 @@ def main() -> dict:
     eff = calibrate(cal, model_shapes(cal.model), c, H800)
     fig8 = figure8(eff)
     data = {"table1": table1(Efficiency(), eff), "efficiency": eff.to_dict(), "figure8": fig8,
-            "verdicts": verdicts(fig8), "scaling": scaling(eff), "torchtitan": torchtitan_anchor(),
+            "verdicts": verdicts(fig8), "sensitivity": sensitivity(eff), "scaling": scaling(eff),
+            "torchtitan": torchtitan_anchor(),
             "settings": {"seq_len": SEQ, "batch_per_device": BATCH, "hardware": H800.to_dict()}}
     (RESULTS / "simulate_paper.json").write_text(json.dumps(data, indent=1) + "\n")
     (RESULTS / "simulate_paper.md").write_text(report(data))
