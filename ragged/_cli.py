@@ -1,4 +1,4 @@
-"""The ``ragged`` command: ``plan``, ``sweep`` and ``advise`` (see docs/cli.md).
+"""The ``ragged`` command: ``plan``, ``sweep``, ``advise`` and ``simulate`` (see docs/cli.md).
 
 Human output is a rich table; ``--json OUT`` writes the machine-readable result (``-`` for stdout).
 Bad input prints one line, ``ragged: error: ...``, and exits with status 2.
@@ -29,6 +29,8 @@ from ragged._sweep import (
     compare_units,
     padding_sweep,
 )
+from ragged.simulate._cli import add_parser as add_simulate_parser
+from ragged.simulate._cli import run_advise as simulate_advise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,7 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="evaluate every group size, not only down to the recommended one")
     a.add_argument("--itemsize", type=int, default=4)
     a.add_argument("--json", metavar="OUT", help="write every option as JSON to OUT ('-' for stdout)")
+    a.add_argument("--hardware",
+                   help="rank by simulated step time on this profile (h800, ...) instead of padding")
     a.set_defaults(run=_run_advise)
+    add_simulate_parser(sub)
     return p
 
 
@@ -178,6 +183,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
 # ----- advise ------------------------------------------------------------------------------------
 def _run_advise(args: argparse.Namespace) -> int:
     _positive("--gpus", args.gpus)
+    if args.hardware:
+        return simulate_advise(args)
     _positive("--itemsize", args.itemsize)
     target = _ratio(args.max_padding)
     merges = [_int_item(x, "--merge-factors") for x in _list(args.merge_factors, "--merge-factors")]

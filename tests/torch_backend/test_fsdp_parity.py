@@ -122,6 +122,20 @@ def test_debug_counter_one_all_gather_and_one_reduce_scatter_per_unit(run, resha
     assert c["bytes"]["all_gather"] == padded * (2 if reshard else 1)
 
 
+def test_debug_counter_bytes_equal_the_simulators(run):
+    """The 4-rank CPU run moves, per unit and step, the bytes ``ragged.simulate`` charges for it (fp32)."""
+    from ragged import model_shapes, trained_llama
+    from ragged.simulate import StepConfig, hardware, simulate
+
+    c = result(run(4), "counter")["reshard=False"]  # one all-gather and one reduce-scatter per unit
+    config = StepConfig(4, seq_len=16, dtype="fp32")
+    sim = simulate(model_shapes("llama-tiny"), trained_llama("llama-tiny")[0], hardware("h100"), config,
+                   methods=["ours"])[0]
+    assert {u.name: u.buffer_numel for u in sim.units} == c["padded_numel"]
+    assert sum(4 * u.ag_shard_bytes for u in sim.units) == c["bytes"]["all_gather"]
+    assert sum(4 * u.rs_shard_bytes for u in sim.units) == c["bytes"]["reduce_scatter"]
+
+
 def test_bad_input_raises_on_every_rank_before_communicating(run):
     results = run(2)
     messages = [result(results, "errors")] + [res["errors"] for res in results[1:]]
