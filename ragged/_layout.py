@@ -202,8 +202,10 @@ class Layout(PaddedBuffer):
         return out
 
     def _repr_svg_(self) -> str:
-        """Jupyter's picture of the layout: one row per device (see ``ragged.draw_layout``)."""
-        from ragged._drawing import Picture, draw_layout
+        """Jupyter's picture of the layout: one row per device (see ``ragged.viz.draw_layout``)."""
+        # Imported here, not at the top: the viewer depends on the core, never the other way, so
+        # importing the core loads no drawing code (tests/ragged/test_imports.py checks the direction).
+        from ragged.viz import Picture, draw_layout
 
         return Picture((draw_layout(self),)).svg()
 
