@@ -147,7 +147,7 @@ def test_plan_time_validation(monkeypatch):
     with pytest.raises(ValueError, match="max_imbalance"):
         muon_plan([_layout()], "fsdp", max_imbalance=0.5)
     # a group that does not divide a matrix is refused before anything is traced, naming it
-    monkeypatch.setattr(ragged, "assign_groups", lambda shapes, world, **_: ((0, 1, 2),) * len(shapes))
+    monkeypatch.setattr(ragged.muon, "assign_groups", lambda shapes, world, **_: ((0, 1, 2),) * len(shapes))
     with pytest.raises(ValueError, match=r"w_in of unit 'unit' has shape \(64, 16\).*3 devices"):
         muon_plan([_layout()], "fsdp", max_imbalance=1.1)
     with pytest.raises(ValueError, match=r"w: Newton-Schulz is split over devices \(0, 1\), it has no root"):
