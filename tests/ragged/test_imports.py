@@ -117,7 +117,8 @@ def test_the_graph_is_read_from_every_module() -> None:
     graph = {m: _imports(m)[0] for m in MODULES}
     # a sanity check of the reader itself: edges it must see, through each kind of import
     assert "ragged._layout" in graph["ragged._planner"]  # from ragged._layout import ...
-    assert {"ragged.viz", "ragged.viz._drawing"} <= graph["ragged.cli"] | graph["ragged.viz._picture"]
+    assert "ragged.viz" in graph["ragged.cli"]  # from ragged.viz import ... (a package)
+    assert "ragged.viz._drawing" in graph["ragged.viz._picture"]  # a module inside the importer's package
     assert "ragged.models" in graph["ragged.bench._sweep"]  # the package __init__ runs first
     assert "ragged" not in graph["ragged._planner"]  # an enclosing package is already running
     assert ("ragged.viz" in _imports("ragged._layout")[1]) and "ragged.viz" not in graph["ragged._layout"]
