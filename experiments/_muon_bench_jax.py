@@ -58,6 +58,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ragged  # noqa: E402
+import ragged.muon  # noqa: E402
 from experiments._hlo import collective_bytes, memory  # noqa: E402
 from experiments._muon_case import LR, MOMENTUM, matrices  # noqa: E402
 from experiments._muon_case import layouts as plan_layouts  # noqa: E402
@@ -103,7 +104,7 @@ def prepare_gspmd(mesh, ns_dtype, fulls, grads) -> dict:
             buf = momenta[n] + (1 - MOMENTUM) * (g - momenta[n])
             direction = g + MOMENTUM * (buf - g)
             whole = jax.lax.with_sharding_constraint(direction, everywhere)  # all-gather
-            ortho = newton_schulz(whole, dtype=ns_dtype) * ragged.muon_scale(whole.shape)
+            ortho = newton_schulz(whole, dtype=ns_dtype) * ragged.muon.muon_scale(whole.shape)
             # Replicated up to here (else GSPMD propagates the row sharding back into Newton-Schulz and
             # partitions its matmuls); then each device keeps its rows.
             ortho = jax.lax.with_sharding_constraint(ortho, everywhere)

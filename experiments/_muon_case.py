@@ -4,15 +4,16 @@ one FSDP unit per layer, every matrix planned in whole rows (``rows:1``)."""
 from __future__ import annotations
 
 import ragged
+import ragged.models
 
-CONFIG = ragged.LlamaConfig(vocab_size=256, dim=192, n_layers=4, n_heads=6, n_kv_heads=2, head_dim=32,
+CONFIG = ragged.models.LlamaConfig(vocab_size=256, dim=192, n_layers=4, n_heads=6, n_kv_heads=2, head_dim=32,
                             ffn_dim=512)
 LR, MOMENTUM = 0.02, 0.95
 
 
 def matrices() -> list[tuple[str, tuple[int, int]]]:
     """The 2-D tensors of CONFIG's decoder layers (the ones Muon orthogonalizes)."""
-    shapes = ragged.llama_shapes("bench", CONFIG)
+    shapes = ragged.models.llama_shapes("bench", CONFIG)
     return [(n, s) for u in shapes.units if u.name.startswith("layers.") for n, s in u.tensors if len(s) == 2]
 
 

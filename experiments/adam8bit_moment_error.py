@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import ragged
+import ragged.quant
 from experiments import adam8bit_quality as quality
 from torch_backend.models import Llama, cross_entropy
 from torch_backend.optim._adam8bit import (
@@ -48,7 +49,7 @@ Requantize = Callable[[torch.Tensor, torch.Tensor, tuple[int, ...]], tuple[torch
 def ours(m: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """``Adam8bit``'s round trip of flat fp32 moments (32x32 tiles, SIGNED m, UNSIGNED sqrt(v))."""
     def trip(x, q, dq):
-        return from_tiles(dq(*q(to_tiles(x, shape, ragged.TILE))), shape, ragged.TILE)
+        return from_tiles(dq(*q(to_tiles(x, shape, ragged.quant.TILE))), shape, ragged.quant.TILE)
     return trip(m, quantize_m, dequantize_m), trip(v, quantize_v, dequantize_v)
 
 
@@ -66,9 +67,9 @@ def torchao(m: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> tuple[t
 def linear(m: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The former linear absmax codes on 32x32 tiles: 255 levels for ``m``, 256 for ``sqrt(v)``."""
     def trip(x, levels):
-        blocks = to_tiles(x, shape, ragged.TILE)
+        blocks = to_tiles(x, shape, ragged.quant.TILE)
         scale = blocks.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
-        return from_tiles(torch.round(blocks / scale * levels) / levels * scale, shape, ragged.TILE)
+        return from_tiles(torch.round(blocks / scale * levels) / levels * scale, shape, ragged.quant.TILE)
     return trip(m, 127), trip(v.sqrt(), 255).square()
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ragged import LlamaConfig
+from ragged.models import LlamaConfig
 from torch_backend.models import Llama, cross_entropy
 from torch_backend.optim import Adam8bit
 

@@ -38,7 +38,7 @@ def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
     Each row counts up by a stride from a random start (mod the vocabulary): learnable in context, so
     the loss visibly falls within a few steps.
     """
-    from ragged import LLAMA_TINY
+    from ragged.models import LLAMA_TINY
 
     rng = np.random.default_rng(1000 + step)
     start = rng.integers(0, LLAMA_TINY.vocab_size, (BATCH, 1))
@@ -159,7 +159,7 @@ def jax_fsdp(world_size: int, steps: int, init: Path, workdir: Path) -> list[flo
 
 # ----- report ------------------------------------------------------------------------------------------
 def max_relative_difference(a: Path, b: Path) -> float:
-    from ragged import load_neutral_checkpoint
+    from ragged.checkpoint import load_neutral_checkpoint
 
     ta, tb = load_neutral_checkpoint(a).tensors, load_neutral_checkpoint(b).tensors
     worst = 0.0
@@ -211,7 +211,8 @@ def print_plan(world_size: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ragged import model_shapes, plan_model
+    from ragged import plan_model
+    from ragged.models import model_shapes
 
     layouts = plan_model(model_shapes("llama-tiny").units, world_size, "rows:1")
     table = Table(title=f"llama-tiny planned for {world_size} devices (rows:1, the Layouts of both stacks)")

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from experiments._hlo import bytes_touched, collective_bytes, memory  # noqa: E402
 from jax_backend import make_mesh, shard_model  # noqa: E402
 from jax_backend.models import Llama, cross_entropy, parallelize  # noqa: E402
-from ragged import LLAMA_TINY, LlamaConfig, llama_shapes  # noqa: E402
+from ragged.models import LLAMA_TINY, LlamaConfig, llama_shapes  # noqa: E402
 
 DEVICES = 8
 

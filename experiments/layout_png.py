@@ -17,21 +17,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import ragged  # noqa: E402
+import ragged.models  # noqa: E402
+import ragged.viz  # noqa: E402
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#86bcb6")
 
 
-def save_png(picture: ragged.Picture, path: str, width: float = 10.0) -> None:
+def save_png(picture: ragged.viz.Picture, path: str, width: float = 10.0) -> None:
     """Draw every drawing of ``picture`` as one panel (rows = devices) and save a PNG."""
     fig = figure(picture, width)
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def figure(picture: ragged.Picture, width: float = 10.0) -> plt.Figure:
+def figure(picture: ragged.viz.Picture, width: float = 10.0) -> plt.Figure:
     """The matplotlib figure: one bar per interval, one red line per cut block."""
-    drawings: Sequence[ragged.LayoutDrawing] = picture.drawings
+    drawings: Sequence[ragged.viz.LayoutDrawing] = picture.drawings
     heights = [min(d.world_size, 12) + 2.5 for d in drawings]
     fig, axes = plt.subplots(len(drawings), 1, figsize=(width, 0.28 * sum(heights)),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
@@ -68,17 +70,17 @@ def ragged_short(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama-tiny", help=", ".join(ragged.model_names()))
+    parser.add_argument("--model", default="llama-tiny", help=", ".join(ragged.models.model_names()))
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--granularity", default="rows:1")
     parser.add_argument("--unit", default="layers.0", help="the unit to draw")
     parser.add_argument("--out", default="layout.png")
     args = parser.parse_args(argv)
-    layouts = ragged.plan_model(ragged.model_shapes(args.model), args.world_size, args.granularity)
+    layouts = ragged.plan_model(ragged.models.model_shapes(args.model), args.world_size, args.granularity)
     unit = next((lay for lay in layouts if lay.name == args.unit), None)
     if unit is None:
         parser.error(f"--unit {args.unit!r} is not a unit of {args.model}: {[lay.name for lay in layouts]}")
-    save_png(ragged.draw_side_by_side(unit), args.out)
+    save_png(ragged.viz.draw_side_by_side(unit), args.out)
     print(f"wrote {args.out}")
 
 

@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ragged
+import ragged.muon
 from experiments._muon_case import CONFIG, LR, MOMENTUM, layouts, matrices
 
 RESULTS = Path(__file__).parent / "results"
@@ -82,7 +83,7 @@ def _workaround_step(params: list, state: dict, lr: float, mu: float, ns_dtype: 
         ortho = newton_schulz(full, dtype=ns_dtype)
         mine = torch.chunk(ortho, p.device_mesh.size(), dim=0)[p.device_mesh.get_local_rank()]
         local = p.detach().to_local()
-        local.add_(mine.reshape(local.shape), alpha=-lr * ragged.muon_scale(tuple(p.shape)))
+        local.add_(mine.reshape(local.shape), alpha=-lr * ragged.muon.muon_scale(tuple(p.shape)))
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:

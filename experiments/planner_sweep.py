@@ -3,7 +3,7 @@
 Writes experiments/results/planner_sweep.csv, one planner_sweep_<model>.png per model and
 planner_sweep.md: the acceptance targets (padding <= 3% at 1 and 16 rows up to 256 devices on the
 paper's two models, a whole model planned in <= 0.3 s), measured in this run. The sweep itself is the
-core's ``ragged.padding_sweep`` (``ragged sweep`` prints the same rows as a table).
+core's ``ragged.bench.padding_sweep`` (``ragged sweep`` prints the same rows as a table).
 
     python -m experiments.planner_sweep                      # the full sweep
     python -m experiments.planner_sweep --models deepseek-v3 --world-sizes 8,1024
@@ -24,13 +24,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import ragged  # noqa: E402
-from ragged import (  # noqa: E402
-    BASELINES,
-    SWEEP_GRANULARITIES,
-    SWEEP_MODELS,
-    SWEEP_WORLD_SIZES,
-    SweepRow,
-)
+import ragged.bench  # noqa: E402
+import ragged.models  # noqa: E402
+from ragged.bench import BASELINES, SWEEP_GRANULARITIES, SWEEP_MODELS, SWEEP_WORLD_SIZES, SweepRow  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TARGET_MODELS = ("gpt-oss-120b", "deepseek-v3")  # the paper's Figure 11
@@ -41,7 +37,7 @@ TARGET_PLAN_SECONDS = 0.3
 def time_whole_model(model: str, world_size: int, granularity: str = "rows:1", *, repeats: int = 3,
                      itemsize: int = 4) -> float:
     """Median seconds of ``plan_model`` on the preset (identical units planned once), one thread."""
-    shapes = ragged.model_shapes(model)
+    shapes = ragged.models.model_shapes(model)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -212,7 +208,7 @@ def run_sweep(models: Sequence[str] = SWEEP_MODELS, world_sizes: Sequence[int] =
     Returns:
         The rows and the paths written (CSV, PNGs, markdown summary).
     """
-    rows = ragged.padding_sweep(models, world_sizes, granularities, itemsize=itemsize)
+    rows = ragged.bench.padding_sweep(models, world_sizes, granularities, itemsize=itemsize)
     top = max(world_sizes)
     timings = {(m, top, g): time_whole_model(m, top, g, itemsize=itemsize)
                for m in models if m in TARGET_MODELS for g in granularities if g in ("rows:1", "rows:16")}

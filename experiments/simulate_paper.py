@@ -21,7 +21,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ragged import ModelShapes, UnitShapes, flops_per_token, model_shapes, trained_llama
+from ragged.models import ModelShapes, UnitShapes, flops_per_token, model_shapes, trained_llama
 from ragged.simulate import (
     PROFILES,
     Efficiency,

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ragged import LlamaConfig, flops_per_token, trained_llama, trained_model_names
+from ragged.models import LlamaConfig, flops_per_token, trained_llama, trained_model_names
 
 # The run's settings; ``--world/--model/--batch/--seq/--device/--dtype`` replace them (in every worker).
 WORLD = 4

@@ -5,13 +5,13 @@
     python -m experiments.train --model llama3-70b --gpus 256 --dry-run  # the per-device memory plan
 
 Before anything is built, every rank plans the model's units for its shard group and estimates what one
-device holds (``ragged.memory_plan``); a run that does not fit is refused with that estimate. Then each
+device holds (``ragged.models.memory_plan``); a run that does not fit is refused with that estimate. Then each
 rank builds only its shards (torch: meta device, ``fully_shard``, init one unit at a time; JAX: abstract
 model, one sharded jitted init per unit), trains on synthetic tokens or a ``.bin`` token file, shows a
 progress bar with loss, tokens/s, MFU and peak memory, writes a JSON line per step, and checkpoints every
 ``--save-interval`` steps; a relaunch with the same ``--checkpoint-dir`` resumes from the newest one.
-Models: see ``ragged.trained_model_names()`` (mixture-of-experts presets train a dense stand-in, see
-``ragged.trained_llama``). Cluster recipes: docs/cluster.md.
+Models: see ``ragged.models.trained_model_names()`` (mixture-of-experts presets train a dense stand-in, see
+``ragged.models.trained_llama``). Cluster recipes: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import sys
 from pathlib import Path
 
 import ragged
+import ragged.advise
+import ragged.models
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stack", choices=("torch", "jax"), default="torch")
-    p.add_argument("--model", default="llama-tiny", choices=ragged.trained_model_names())
+    p.add_argument("--model", default="llama-tiny", choices=ragged.models.trained_model_names())
     p.add_argument("--hsdp", default="1", help="HSDP replica count R (shard over world/R devices), or 'auto' "
                    "for the advisor's choice (ragged advise)")
     p.add_argument("--granularity", default="auto",
@@ -71,13 +73,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def memory_plan(args: argparse.Namespace, config: ragged.LlamaConfig, world: int) -> ragged.MemoryPlan:
+def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig, world: int
+                ) -> ragged.models.MemoryPlan:
     """The per-device plan for ``world`` devices; sets ``args.replicas`` from ``--hsdp`` (auto: advisor)."""
-    shapes = ragged.llama_shapes(args.model, config)
+    shapes = ragged.models.llama_shapes(args.model, config)
     granularity = ("tiles" if args.optimizer == "adam8bit" else "rows:1") if args.granularity == "auto" \
         else args.granularity
     if args.hsdp == "auto":
-        advice = ragged.advise(shapes, world, granularity)  # the runtimes keep one unit per layer: merge 1
+        # the runtimes keep one unit per layer: merge 1
+        advice = ragged.advise.advise(shapes, world, granularity)
         fits = [o for o in advice.options if o.merge == 1 and o.padding_ratio <= advice.max_padding]
         replicas = max(fits, key=lambda o: o.group_size).replicas if fits else 1
     else:
@@ -87,7 +91,7 @@ def memory_plan(args: argparse.Namespace, config: ragged.LlamaConfig, world: int
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} devices (data parallel)")
     args.replicas = replicas
-    return ragged.memory_plan(args.model, config, world, replicas=replicas, granularity=granularity,
+    return ragged.models.memory_plan(args.model, config, world, replicas=replicas, granularity=granularity,
                               dtype=args.dtype, optimizer=args.optimizer,
                               batch_per_device=args.batch // world,
                               seq_len=args.seq_len, activation_checkpointing=args.activation_checkpointing,
@@ -96,9 +100,10 @@ def memory_plan(args: argparse.Namespace, config: ragged.LlamaConfig, world: int
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    config, modelled = ragged.trained_llama(args.model)
-    if args.model in ragged.model_names() and "dense llama" in modelled:
-        modelled += f"; the preset itself has {ragged.model_shapes(args.model).numel / 1e9:.1f} B parameters"
+    config, modelled = ragged.models.trained_llama(args.model)
+    if args.model in ragged.models.model_names() and "dense llama" in modelled:
+        preset = ragged.models.model_shapes(args.model)
+        modelled += f"; the preset itself has {preset.numel / 1e9:.1f} B parameters"
 
     def plan_check(world: int, capacity: int, rank0: bool) -> None:
         """Every rank computes the same plan from the same (agreed) capacity, so all refuse or none."""
@@ -108,8 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{args.model}: {modelled}", file=sys.stderr)
             print(plan.describe(), file=sys.stderr)
         if plan.total > limit:
-            raise SystemExit(f"out of memory: {args.model} needs about {ragged.gib(plan.total)} per device "
-                             f"on {world} devices, this device has {ragged.gib(limit)}; refused before "
+            need, have = ragged.models.gib(plan.total), ragged.models.gib(limit)
+            raise SystemExit(f"out of memory: {args.model} needs about {need} per device "
+                             f"on {world} devices, this device has {have}; refused before "
                              "allocating. Use more devices, --activation-checkpointing, a smaller --batch or "
                              "--seq-len, or adam8bit.")
 

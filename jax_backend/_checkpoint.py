@@ -1,4 +1,5 @@
-"""Checkpoints of unit buffers in the framework-neutral format (``ragged.save_neutral_checkpoint``).
+"""Checkpoints of unit buffers in the framework-neutral format
+(``ragged.checkpoint.save_neutral_checkpoint``).
 
 Saving unshards every unit buffer into full tensors by FQN (static slices, no arithmetic) and writes them
 with the Layouts; loading reads the full tensors and shards them with the caller's Layouts, which may be
@@ -20,6 +21,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 import ragged
+import ragged.checkpoint
 from jax_backend._buffers import full_params, shard_params
 from ragged import Layout
 
@@ -32,7 +34,8 @@ def save_neutral_checkpoint(path: str | os.PathLike, buffers: Mapping[str, jax.A
     Every process must call it (unsharding gathers across processes); only process 0 writes.
 
     Raises:
-        ragged.CheckpointError: as ``ragged.save_neutral_checkpoint``; LayoutMismatchError for missing units.
+        ragged.checkpoint.CheckpointError: as ``ragged.checkpoint.save_neutral_checkpoint``;
+            LayoutMismatchError for missing units.
     """
     full = full_params(buffers, layouts)
     if jax.process_count() > 1:  # shards live on other hosts: gather them, every process takes part
@@ -40,13 +43,13 @@ def save_neutral_checkpoint(path: str | os.PathLike, buffers: Mapping[str, jax.A
     tensors = {name: np.asarray(jax.device_get(value)) for name, value in full.items()}
     if jax.process_index() != 0:
         return Path(path)
-    return ragged.save_neutral_checkpoint(path, tensors, layouts=layouts,
+    return ragged.checkpoint.save_neutral_checkpoint(path, tensors, layouts=layouts,
                                           meta={"framework": "jax", **(meta or {})}, overwrite=overwrite)
 
 
 def load_neutral_params(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """The checkpoint's full tensors ``{fqn: np.ndarray}`` in their stored dtypes (bf16 via ml_dtypes)."""
-    checkpoint = ragged.load_neutral_checkpoint(path)
+    checkpoint = ragged.checkpoint.load_neutral_checkpoint(path)
     return {name: t.bits.view(jnp.dtype(t.dtype)) for name, t in checkpoint.tensors.items()}
 
 
@@ -55,7 +58,7 @@ def load_neutral_checkpoint(path: str | os.PathLike, layouts: Sequence[Layout], 
     """Read full tensors and shard them into unit buffers with ``layouts`` on ``mesh`` (any world size).
 
     Raises:
-        ragged.CheckpointError: a malformed checkpoint.
+        ragged.checkpoint.CheckpointError: a malformed checkpoint.
         LayoutMismatchError: the checkpoint's tensors differ from the Layouts' (named by FQN), or the mesh
             axis does not match the Layouts' world size.
     """

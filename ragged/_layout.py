@@ -202,8 +202,11 @@ class Layout(PaddedBuffer):
         return out
 
     def _repr_svg_(self) -> str:
-        """Jupyter's picture of the layout: one row per device (see ``ragged.draw_layout``)."""
-        from ragged._drawing import Picture, draw_layout
+        """Jupyter's picture of the layout: one row per device (see ``ragged.viz.draw_layout``)."""
+        # Imported on call, not at the top: the viewer builds on the core (it draws Layouts), so a top
+        # import would make a circle, and importing the core would load drawing code. Jupyter calls this
+        # after both are loaded. The one such import (tests/ragged/test_imports.py checks it).
+        from ragged.viz import Picture, draw_layout
 
         return Picture((draw_layout(self),)).svg()
 

@@ -15,8 +15,7 @@ from ragged._errors import PlanningError
 from ragged._granularity import Granularity, granularity_for
 from ragged._layout import Layout, TensorSpec
 from ragged._planner import plan
-from ragged._presets import ModelShapes, UnitShapes
-from ragged._shapes_file import UnitSpecs
+from ragged._units import ModelShapes, UnitShapes, UnitSpecs
 
 Shape = tuple[int, ...]
 GranularityRule = Callable[[str, Shape], Granularity | int | str]

@@ -121,11 +121,11 @@ class RaggedShard:
         return (self.local_numel(shape, rank, name),)
 
     @staticmethod
-    def whole_on(root: int, world_size: int) -> RaggedShard:
-        """One device (``root``) holds the whole tensor; the others hold nothing."""
-        if not 0 <= root < world_size:
-            raise PlacementError(f"root {root} is outside the {world_size} devices")
-        return RaggedShard((), tuple(int(i == root) for i in range(world_size)))
+    def whole_on(device: int, world_size: int) -> RaggedShard:
+        """One device (``device``) holds the whole tensor; the others hold nothing."""
+        if not 0 <= device < world_size:
+            raise PlacementError(f"device {device} is outside the {world_size} devices")
+        return RaggedShard((), tuple(int(i == device) for i in range(world_size)))
 
 
 def _ints(label: str, values: tuple[int, ...]) -> tuple[int, ...]:

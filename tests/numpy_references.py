@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 import ragged
+import ragged.muon
 
 
-def newton_schulz_closed_form(x: np.ndarray, steps: int = ragged.NS_STEPS) -> np.ndarray:
+def newton_schulz_closed_form(x: np.ndarray, steps: int = ragged.muon.NS_STEPS) -> np.ndarray:
     """``U p^steps(S / ||X||_F) V^T`` in float64: what the quintic iteration does to each singular value."""
-    a, b, c = ragged.NS_COEFFS
+    a, b, c = ragged.muon.NS_COEFFS
     u, s, vt = np.linalg.svd(x, full_matrices=False)
     s = s / np.linalg.norm(x)
     for _ in range(steps):

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import ragged
+import ragged.quant
 from jax_backend.optim import _adam8bit as jax_adam8bit
 from jax_backend.optim import scale_by_adam8bit
-from ragged.codebook import BUCKET_SHIFT, SIGNED, UNSIGNED, buckets
+from ragged.quant.codebook import BUCKET_SHIFT, SIGNED, UNSIGNED, buckets
 from torch_backend.optim import Adam8bit
 from torch_backend.optim import _adam8bit as torch_adam8bit
 
@@ -115,7 +116,7 @@ def test_torch_and_jax_optimizers_keep_the_same_codes_over_steps():
                                        atol=1e-6, err_msg=k)
     for k, p in live.items():
         for field in ("m_codes", "v_codes"):
-            mine = torch_adam8bit.from_tiles(opt.state[p][field], shapes[k], ragged.TILE).numpy()
+            mine = torch_adam8bit.from_tiles(opt.state[p][field], shapes[k], ragged.quant.TILE).numpy()
             np.testing.assert_array_equal(mine, np.asarray(getattr(state, field)[k]), err_msg=f"{k}.{field}")
         for field in ("m_scale", "v_scale"):
             np.testing.assert_array_equal(opt.state[p][field].numpy(), np.asarray(getattr(state, field)[k]),

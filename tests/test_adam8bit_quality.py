@@ -13,7 +13,7 @@ import math
 import torch
 
 from experiments.adam8bit_quality import batches, split, stdlib_text, train_lockstep
-from ragged import LlamaConfig
+from ragged.models import LlamaConfig
 
 TINY = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=128)
 MARGIN = 0.03  # validation loss at most 3% above fp32 AdamW's (measured: 2.539 vs 2.530, +0.3%)

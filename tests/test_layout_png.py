@@ -3,13 +3,14 @@
 import matplotlib.pyplot as plt
 
 import ragged
+import ragged.viz
 from experiments.layout_png import figure, save_png
 
 
 def test_png_bars_are_the_drawn_intervals(tmp_path):
     specs = [ragged.TensorSpec("w", (64, 32), "rows:32"), ragged.TensorSpec("b", (7,))]
     layout = ragged.plan(specs, world_size=3)
-    picture = ragged.draw_side_by_side(layout)
+    picture = ragged.viz.draw_side_by_side(layout)
     fig = figure(picture)
     for ax, drawing in zip(fig.axes, picture.drawings):
         bars = sorted((round(p.get_y() + p.get_height() / 2), int(p.get_x()), int(p.get_x() + p.get_width()))

@@ -3,7 +3,7 @@
 import csv
 
 from experiments.planner_sweep import run_sweep, summary
-from ragged import SweepRow
+from ragged.bench import SweepRow
 
 
 def test_run_sweep_writes_csv_png_and_summary(tmp_path):

@@ -13,11 +13,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-from _train_launch import ROOT, TINY, losses, run, torchrun
 
 import ragged
+import ragged.models
 from experiments._train.data import TokenSource
 from experiments.train import main
+from tests._train_launch import ROOT, TINY, losses, run, torchrun
 
 STEPS, LR, WD = 5, 3e-3, 0.1
 
@@ -27,10 +28,10 @@ def plain_torch_losses(steps: int) -> list[float]:
     from torch_backend.models import Llama, cross_entropy
 
     torch.manual_seed(0)
-    model = Llama(ragged.LLAMA_TINY)
+    model = Llama(ragged.models.LLAMA_TINY)
     model.init_weights(0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    data = TokenSource(ragged.LLAMA_TINY.vocab_size, 32, 8, seed=0)
+    data = TokenSource(ragged.models.LLAMA_TINY.vocab_size, 32, 8, seed=0)
     out = []
     for step in range(steps):
         tokens = torch.from_numpy(data.rows(step, 0, 8)).long()
@@ -93,8 +94,8 @@ def test_dry_run_prints_the_plan_of_the_core(capsys):
     main(["--model", "llama3-70b", "--gpus", "64", "--seq-len", "8192", "--batch", "64",
           "--activation-checkpointing", "--dry-run"])
     printed = capsys.readouterr().out
-    config, _ = ragged.trained_llama("llama3-70b")
-    plan = ragged.memory_plan("llama3-70b", config, 64, seq_len=8192, batch_per_device=1,
+    config, _ = ragged.models.trained_llama("llama3-70b")
+    plan = ragged.models.memory_plan("llama3-70b", config, 64, seq_len=8192, batch_per_device=1,
                               activation_checkpointing=True)
     assert plan.describe() in printed
     assert "64 devices = 1 replica(s) x 64 shards" in printed and "total per device" in printed
@@ -102,23 +103,26 @@ def test_dry_run_prints_the_plan_of_the_core(capsys):
 
 def test_memory_plan_closed_forms():
     """One device holds the whole model unpadded: 4 + 4 + 8 bytes per parameter under AdamW."""
-    config, _ = ragged.trained_llama("llama3-8b")
-    plan = ragged.memory_plan("llama3-8b", config, 1, optimizer="adamw", seq_len=1024)
+    config, _ = ragged.models.trained_llama("llama3-8b")
+    plan = ragged.models.memory_plan("llama3-8b", config, 1, optimizer="adamw", seq_len=1024)
     assert plan.numel == 8_030_261_248  # Meta's published count for Llama 3 8B
     assert (plan.params, plan.grads, plan.optimizer_state) == (4 * plan.numel, 4 * plan.numel, 8 * plan.numel)
     assert plan.unsharded == (128256 * 4096 + 4096) * (3 * 2 + 4)  # the output unit (norm + head) is largest
     assert plan.logits == 1024 * 128256 * (2 + 8)
-    sharded = ragged.memory_plan("llama3-8b", config, 64, replicas=2, optimizer="adam8bit", seq_len=1024)
+    sharded = ragged.models.memory_plan("llama3-8b", config, 64, replicas=2, optimizer="adam8bit",
+                                        seq_len=1024)
     assert sharded.shard_group == 32
-    shard = sum(lay.shard_size for lay in ragged.plan_model(ragged.llama_shapes("llama3-8b", config), 32))
+    layouts = ragged.plan_model(ragged.models.llama_shapes("llama3-8b", config), 32)
+    shard = sum(lay.shard_size for lay in layouts)
     assert sharded.params == 4 * shard and sharded.optimizer_state == int(np.ceil(2.0078125 * shard))
-    checkpointed = ragged.memory_plan("llama3-8b", config, 1, seq_len=1024, activation_checkpointing=True)
+    checkpointed = ragged.models.memory_plan("llama3-8b", config, 1, seq_len=1024,
+                                             activation_checkpointing=True)
     assert checkpointed.activations < plan.activations / 10
     # 6 N + 12 L H Q T with N the non-embedding parameters
     matmul_params = 8_030_261_248 - 128256 * 4096
-    assert ragged.flops_per_token(config, 1024) == 6 * matmul_params + 12 * 32 * 32 * 128 * 1024
+    assert ragged.models.flops_per_token(config, 1024) == 6 * matmul_params + 12 * 32 * 32 * 128 * 1024
     with pytest.raises(ragged.RaggedError, match="3 HSDP replicas must divide 64"):
-        ragged.memory_plan("llama3-8b", config, 64, replicas=3)
+        ragged.models.memory_plan("llama3-8b", config, 64, replicas=3)
 
 
 def test_token_file_rows_are_slices_of_the_file_and_split_over_ranks(tmp_path):

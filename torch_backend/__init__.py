@@ -4,7 +4,7 @@ Importing the package installs the DTensor hooks (``placement/_dtensor_hooks``) 
 with ``distribute_tensor``, ``redistribute``, ``full_tensor``, ops and torch.distributed.checkpoint.
 """
 
-from ragged import CheckpointError  # the one checkpoint error (DCP and neutral, both stacks)
+from ragged.checkpoint import CheckpointError  # the one checkpoint error (DCP and neutral, both stacks)
 from torch_backend._collectives import CollectiveError
 from torch_backend._debug import DebugCounter, debug_counter
 from torch_backend.fsdp import (

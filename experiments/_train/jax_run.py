@@ -24,6 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ragged
+import ragged.models
+import ragged.quant
 from experiments._train import checkpoints
 from experiments._train.data import TokenSource
 from experiments._train.metrics import Monitor, peak_tflops
@@ -55,7 +57,7 @@ def device_capacity() -> int:
     return available // jax.local_device_count()
 
 
-def build(args, name: str, config: ragged.LlamaConfig, mesh, replicas: int):
+def build(args, name: str, config: ragged.models.LlamaConfig, mesh, replicas: int):
     """The llama's ``parallelize`` on an abstract model (``nnx.eval_shape``: shapes only, no allocation)."""
     from flax import nnx
 
@@ -64,8 +66,8 @@ def build(args, name: str, config: ragged.LlamaConfig, mesh, replicas: int):
 
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(args.seed)))
     if args.granularity == "auto":
-        granularity = (lambda fqn, shape: ragged.tile_granularity(shape)) if args.optimizer == "adam8bit" \
-            else "rows:1"
+        granularity = (lambda fqn, shape: ragged.quant.tile_granularity(shape)) \
+            if args.optimizer == "adam8bit" else "rows:1"
     else:
         granularity = args.granularity
     bf16 = args.dtype == "bf16"
@@ -136,7 +138,7 @@ def _peak_memory() -> int:
     return int(stats.get("peak_bytes_in_use", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
-def run(args, name: str, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
+def run(args, name: str, config: ragged.models.LlamaConfig, plan_check, settings: dict) -> dict:
     from jax_backend import make_mesh
     from jax_backend.models import cross_entropy
 
@@ -177,7 +179,7 @@ def run(args, name: str, config: ragged.LlamaConfig, plan_check, settings: dict)
     device = jax.devices()[0]
     monitor = Monitor(rank0=rank0, steps=args.steps, first_step=first,
                       tokens_per_step=args.batch * args.seq_len,
-                      flops_per_token=ragged.flops_per_token(config, args.seq_len), devices=world,
+                      flops_per_token=ragged.models.flops_per_token(config, args.seq_len), devices=world,
                       peak=peak_tflops(getattr(device, "device_kind", device.platform), args.peak_tflops),
                       log_path=args.log, show_bar=args.progress)
     with monitor:

@@ -1,6 +1,6 @@
 """What the user watches: a rich progress bar on rank 0, a JSON-lines log per step, a final summary.
 
-MFU is model FLOPs per token (``ragged.flops_per_token``, from the preset's shapes) times tokens per
+MFU is model FLOPs per token (``ragged.models.flops_per_token``, from the preset's shapes) times tokens per
 second, over the devices' dense bf16 peak (``PEAK_TFLOPS``, matched against the device name; override
 with ``--peak-tflops``). Without a known peak (a CPU) MFU is left out rather than guessed.
 """

@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 import ragged
+import ragged.models
+import ragged.quant
 from experiments._train import checkpoints
 from experiments._train.data import TokenSource
 from experiments._train.metrics import Monitor, peak_tflops
@@ -59,7 +61,7 @@ def device_capacity(dev: torch.device) -> int:
     return available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def build(args, config: ragged.LlamaConfig, mesh: DeviceMesh):
+def build(args, config: ragged.models.LlamaConfig, mesh: DeviceMesh):
     """Meta-device llama -> activation checkpointing -> ``parallelize`` -> values one unit at a time."""
     from torch_backend import MixedPrecisionPolicy, unsharded
     from torch_backend.models import Llama, parallelize
@@ -71,7 +73,7 @@ def build(args, config: ragged.LlamaConfig, mesh: DeviceMesh):
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     bf16 = args.dtype == "bf16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    granularity = (lambda name, shape: ragged.tile_granularity(shape)) if args.granularity == "auto" \
+    granularity = (lambda name, shape: ragged.quant.tile_granularity(shape)) if args.granularity == "auto" \
         and args.optimizer == "adam8bit" else (None if args.granularity == "auto" else args.granularity)
     parallelize(model, mesh, mp_policy=mp, granularity=granularity)
     for unit in [model.tok_embeddings, *model.layers, model.norm]:  # norm: the [norm, output] unit
@@ -134,7 +136,7 @@ def peak_memory(dev: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
+def run(args, config: ragged.models.LlamaConfig, plan_check, settings: dict) -> dict:
     """Train; ``plan_check(world, capacity)`` refuses a run that does not fit, before anything is built."""
     from torch_backend import debug_counter
     from torch_backend.models import cross_entropy
@@ -165,7 +167,7 @@ def run(args, config: ragged.LlamaConfig, plan_check, settings: dict) -> dict:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         monitor = Monitor(rank0=rank == 0, steps=args.steps, first_step=first,
                           tokens_per_step=args.batch * args.seq_len,
-                          flops_per_token=ragged.flops_per_token(config, args.seq_len), devices=world,
+                          flops_per_token=ragged.models.flops_per_token(config, args.seq_len), devices=world,
                           peak=peak_tflops(name, args.peak_tflops), log_path=args.log, show_bar=args.progress)
         with monitor:
             for step in range(first, args.steps):

@@ -2,8 +2,8 @@
 
 Read it top to bottom: Linear, Embedding, RMSNorm, RoPE, Attention (GQA, causal), FeedForward (SwiGLU),
 TransformerBlock, Llama. Weights are stored ``[out, in]`` like ``torch.nn.Linear`` and the parameter paths
-(``layers.0.attention.wq.weight``, ...) are the FQNs of ``ragged.model_shapes("llama-tiny")``, so a name in
-a ``Layout`` or a checkpoint means the same tensor on both stacks. No parallelism code lives here: the
+(``layers.0.attention.wq.weight``, ...) are the FQNs of ``ragged.models.model_shapes("llama-tiny")``, so a
+name in a ``Layout`` or a checkpoint means the same tensor on both stacks. No parallelism code lives here: the
 model computes in the dtype of its parameters, and ``parallelize.py`` decides where they come from.
 """
 
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ragged import LLAMA_TINY, LlamaConfig
+from ragged.models import LLAMA_TINY, LlamaConfig
 
 
 class Linear(nnx.Module):

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import ragged
+import ragged.models
 from jax_backend._buffers import (
     LayoutMismatchError,
     check_mesh,
@@ -74,14 +75,14 @@ def parallelize(model: Llama, mesh: Mesh, *, axis: str = "fsdp", replica_axis: s
             unsharded at a time).
         reshard_after_forward: re-gather each unit in the backward but keep its activations; ``None``: as
             ``remat``.
-        preset: the name of the core's units (``ragged.llama_shapes(preset, model.config)``), whose
+        preset: the name of the core's units (``ragged.models.llama_shapes(preset, model.config)``), whose
             tensor order is planned.
 
     Raises:
         LayoutMismatchError: the model's parameters differ from the preset's (named by FQN), or the mesh
             does not have the axes.
     """
-    units = ragged.llama_shapes(preset, model.config).units
+    units = ragged.models.llama_shapes(preset, model.config).units
     params = model_params(model)
     planned = {name: shape for unit in units for name, shape in unit.tensors}
     for name, shape in planned.items():

@@ -1,22 +1,18 @@
 """8-bit blockwise Adam(W) as optax transformations, with 32x32 quantization tiles that never cross devices.
 
-Every element of every leaf belongs to one quantization tile (``ragged.tile_ids``): the 32x32 tiles of
-a matrix the tile divides, one row of another matrix, one element of a 1-D tensor (whose state so stays
-at full precision). Quantization uses the core's dynamic codebooks (``ragged.codebook``, the table the
+Every element of every leaf belongs to one quantization tile (``ragged.quant.tile_ids``): the 32x32 tiles of
+a matrix the tile divides, one row of another matrix, one element of a 1-D tensor (whose state so stays at
+full precision). Quantization uses the core's dynamic codebooks (``ragged.quant.codebook``, the table the
 torch ``Adam8bit`` loads): one fp32 absmax scale per block (a segment max over the tile ids) and a uint8
-code per element, the nearest entry of
-
-- ``SIGNED`` for the first moment ``m``;
-- ``UNSIGNED`` for ``sqrt(v)``, the square root of the second moment (``v = (entry * scale) ** 2``).
-
-Each step dequantizes, updates ``m`` and ``v`` in fp32, takes Adam's direction from the fp32 values and
-stores the requantized moments. The float32 operations on the moments are the torch optimizer's, in its
-order, so both stacks store the same codes from the same gradients (tested bit for bit).
-
-Tiles of a leaf come from its ``tiles`` entry: ``WholeTiles`` (default: the leaf is a whole tensor) or
-``ShardTiles`` (the leaf is an FSDP unit's local shard inside ``shard_map``: the core's static
-``PieceTable`` of every device, indexed by ``lax.axis_index``, so one trace serves all devices). Tiles
-are local by construction (granularity ``ragged.tile_granularity``), so no scale or code ever crosses devices.
+code per element, the nearest entry of - ``SIGNED`` for the first moment ``m``; - ``UNSIGNED`` for
+``sqrt(v)``, the square root of the second moment (``v = (entry * scale) ** 2``). Each step dequantizes,
+updates ``m`` and ``v`` in fp32, takes Adam's direction from the fp32 values and stores the requantized
+moments. The float32 operations on the moments are the torch optimizer's, in its order, so both stacks store
+the same codes from the same gradients (tested bit for bit). Tiles of a leaf come from its ``tiles`` entry:
+``WholeTiles`` (default: the leaf is a whole tensor) or ``ShardTiles`` (the leaf is an FSDP unit's local
+shard inside ``shard_map``: the core's static ``PieceTable`` of every device, indexed by ``lax.axis_index``,
+so one trace serves all devices). Tiles are local by construction (granularity
+``ragged.quant.tile_granularity``), so no scale or code ever crosses devices.
 """
 
 from __future__ import annotations
@@ -32,8 +28,9 @@ import optax
 from jax import lax
 
 import ragged
+import ragged.quant
 from ragged import Layout
-from ragged.codebook import SIGNED, UNSIGNED, Codebook
+from ragged.quant.codebook import SIGNED, UNSIGNED, Codebook
 
 Tile = tuple[int, int]
 _ZERO_M = int(SIGNED.values.searchsorted(0.0))  # the code of 0 (UNSIGNED: code 0)
@@ -45,12 +42,12 @@ class WholeTiles:
     """Blocks of a leaf that is a whole tensor of ``shape`` (on one device, or replicated)."""
 
     shape: tuple[int, ...]
-    tile: Tile = ragged.TILE
+    tile: Tile = ragged.quant.TILE
     _ids: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         numel = int(np.prod(self.shape))
-        object.__setattr__(self, "_ids", ragged.tile_ids(self.shape, 0, numel, tile=self.tile))
+        object.__setattr__(self, "_ids", ragged.quant.tile_ids(self.shape, 0, numel, tile=self.tile))
 
     @property
     def count(self) -> int:
@@ -80,7 +77,7 @@ class ShardTiles:
     with ``lax.axis_index`` and derives every element's tile id, padding in the spare block.
     """
 
-    table: ragged.PieceTable
+    table: ragged.quant.PieceTable
     axis: str
     shard_size: int
 
@@ -93,18 +90,20 @@ class ShardTiles:
         offset, length, first, width, rows, cols = (jnp.asarray(a)[lax.axis_index(self.axis)] for a in t[:6])
         k, j, inside = piece_of(offset, length, self.shard_size)
         w = width[k]
-        block = first[k] + (j // w // rows[k]) * (w // cols[k]) + (j % w) // cols[k]  # ragged.tile_ids
+        block = first[k] + (j // w // rows[k]) * (w // cols[k]) + (j % w) // cols[k]  # ragged.quant.tile_ids
         return jnp.where(inside, block, t.count)
 
 
-def shard_tiles(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.TILE) -> dict[str, ShardTiles]:
+def shard_tiles(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.quant.TILE
+                ) -> dict[str, ShardTiles]:
     """``{unit: ShardTiles}`` for the FSDP step's local shards (``FSDP.train_step``'s optimizer).
 
     Raises:
-        ragged.TileError: a tensor whose layout cuts a quantization tile (e.g. a matrix planned with
-            element granularity), naming it; plan with ``ragged.tile_granularity``.
+        ragged.quant.TileError: a tensor whose layout cuts a quantization tile (e.g. a matrix planned with
+            element granularity), naming it; plan with ``ragged.quant.tile_granularity``.
     """
-    return {lay.name: ShardTiles(ragged.piece_table(lay, tile), axis, lay.shard_size) for lay in layouts}
+    return {lay.name: ShardTiles(ragged.quant.piece_table(lay, tile), axis, lay.shard_size)
+            for lay in layouts}
 
 
 # ----- quantization over tile ids -------------------------------------------------------------------
@@ -154,7 +153,7 @@ def _tiles_for(tree: Any, tiles: Mapping[str, Any] | None, tile: Tile) -> Any:
 
 def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                       tiles: Mapping[str, Any] | None = None,
-                      tile: Tile = ragged.TILE) -> optax.GradientTransformation:
+                      tile: Tile = ragged.quant.TILE) -> optax.GradientTransformation:
     """Rescale updates by Adam's direction, keeping the moments in 8 bits per quantization tile.
 
     Args:
@@ -200,11 +199,12 @@ def scale_by_adam8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
 def adamw8bit(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
               weight_decay: float = 1e-4, *, tiles: Mapping[str, Any] | None = None,
-              tile: Tile = ragged.TILE) -> optax.GradientTransformation:
+              tile: Tile = ragged.quant.TILE) -> optax.GradientTransformation:
     """AdamW with 8-bit tile-quantized moments: ``scale_by_adam8bit``, decoupled weight decay, learning rate.
 
     Example:
-        >>> fsdp = parallelize(model, mesh, granularity=lambda name, shape: ragged.tile_granularity(shape))
+        >>> tiled = lambda name, shape: ragged.quant.tile_granularity(shape)
+        >>> fsdp = parallelize(model, mesh, granularity=tiled)
         >>> opt = adamw8bit(1e-3, tiles=shard_tiles(fsdp.layouts, fsdp.axis))
         >>> step = fsdp.train_step(jax_backend.on_shards(opt), loss_fn)
 

@@ -1,19 +1,19 @@
 """Muon as optax transformations, on whole matrices or distributed over FSDP unit shards (Algorithm 2).
 
 ``scale_by_muon`` keeps a momentum buffer and replaces each 2-D update by its Newton-Schulz
-orthogonalization (5 quintic steps on ``X / ||X||_F``, coefficients ``ragged.NS_COEFFS``, transposed
+orthogonalization (5 quintic steps on ``X / ||X||_F``, coefficients ``ragged.muon.NS_COEFFS``, transposed
 when rows > cols), scaled by ``sqrt(max(1, rows / cols))``. ``muon`` chains it with weight decay and the
 learning rate for 2-D leaves and uses AdamW for the others.
 
 Distributed (``plan=muon_plan(layouts, axis)``): the leaves are FSDP unit shards ``(S,)`` inside
 ``shard_map``. Momentum runs on the local shard; each matrix is gathered to its load-balanced root
-(``ragged.assign_roots``) with ``gather_tensor(..., root=r)``, orthogonalized under ``lax.cond`` on the root
-only, and written back to every device's piece with ``scatter_tensor(..., root=r)``. With
+(``ragged.muon.assign_ns_devices``) with ``gather_tensor(..., root=r)``, orthogonalized under ``lax.cond``
+on the root only, and written back to every device's piece with ``scatter_tensor(..., root=r)``. With
 ``muon_plan(..., max_imbalance=)`` the matrices that stop the balance are split over groups of devices
-(``ragged.assign_groups``): each member gets a row block (``gather_rows``) and ``split_newton_schulz`` runs
-the core's split scheme. The plan's windows (``in_flight`` root buckets) issue their gathers before their
-Newton-Schulz and scatters after, so XLA can overlap them. Elements of tensors that are not 2-D get AdamW
-through a static per-device mask.
+(``ragged.muon.assign_groups``): each member gets a row block (``gather_rows``) and ``split_newton_schulz``
+runs the core's split scheme. The plan's windows (``in_flight`` root buckets) issue their gathers before
+their Newton-Schulz and scatters after, so XLA can overlap them. Elements of tensors that are not 2-D get
+AdamW through a static per-device mask.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import optax
 from jax import lax
 
 import ragged
+import ragged.muon
 from jax_backend._redistribute import gather_rows, gather_tensor, scatter_rows, scatter_tensor
 from jax_backend.optim._adam8bit import piece_of
 from jax_backend.optim._newton_schulz import newton_schulz, split_newton_schulz
@@ -73,26 +74,27 @@ class MuonPlan:
 
     def windows(self) -> tuple[tuple[tuple[str, MuonMatrix], ...], ...]:
         """The schedule: ``(unit, matrix)`` groups whose gathers are issued together, then their
-        Newton-Schulz, then their scatters; ``in_flight`` root buckets per group (``ragged.root_buckets``),
-        or one matrix per group when ``in_flight`` is ``None`` (sequential). Matrices split over a group
-        of devices come after the whole ones, ``in_flight`` per window (one when sequential)."""
+        Newton-Schulz, then their scatters; ``in_flight`` root buckets per group
+        (``ragged.muon.ns_device_buckets``), or one matrix per group when ``in_flight`` is ``None``
+        (sequential). Matrices split over a group of devices come after the whole ones, ``in_flight`` per
+        window (one when sequential)."""
         found = [(unit, m) for unit, ms in self.matrices.items() for m in ms]
         whole = [f for f in found if len(f[1].group) == 1]
         split = [f for f in found if len(f[1].group) > 1]
         if self.in_flight is None:
             return tuple((f,) for f in whole + split)
-        buckets = ragged.root_buckets([m.root for _, m in whole])
+        buckets = ragged.muon.ns_device_buckets([m.root for _, m in whole])
         return (tuple(tuple(whole[i] for b in buckets[j:j + self.in_flight] for i in b)
                       for j in range(0, len(buckets), self.in_flight))
                 + tuple(tuple(split[j:j + self.in_flight]) for j in range(0, len(split), self.in_flight)))
 
     @property
     def newton_schulz_load(self) -> np.ndarray:
-        """Newton-Schulz matmul FLOPs each device runs per step (``ragged.group_load`` of the groups):
+        """Newton-Schulz matmul FLOPs each device runs per step (``ragged.muon.group_load`` of the groups):
         ``(world_size,)`` int64, ``max / mean`` is the step's load imbalance."""
         world = self.layouts[0].world_size if self.layouts else 1
         found = [m for ms in self.matrices.values() for m in ms]
-        return ragged.group_load([m.shape for m in found], [m.group for m in found], world)
+        return ragged.muon.group_load([m.shape for m in found], [m.group for m in found], world)
 
     def mask(self, unit: str) -> jax.Array:
         """True where this device's shard element of ``unit`` belongs to a 2-D tensor (inside shard_map)."""
@@ -110,10 +112,11 @@ def muon_plan(layouts: Sequence[Layout], axis: str, *, in_flight: int | None = 2
         in_flight: root buckets gathered together and overlapped by XLA with their Newton-Schulz
             (``None``: one matrix after another; both give the same bits).
         max_imbalance: ``None``: one root per matrix, greedy largest-first over Newton-Schulz FLOPs
-            (``ragged.assign_roots``). A target ``max / mean`` of per-device FLOPs: matrices whose cost
-            stops it are split over groups of devices (``ragged.assign_groups``); the others keep one root.
-            Splitting balances the FLOPs (llama3-8b's layers at 256 devices: 1.057 instead of 2.11) but
-            adds collectives inside each group at every Newton-Schulz step (``split_newton_schulz_bytes``).
+            (``ragged.muon.assign_ns_devices``). A target ``max / mean`` of per-device FLOPs: matrices whose
+            cost stops it are split over groups of devices (``ragged.muon.assign_groups``); the others keep
+            one root. Splitting balances the FLOPs (llama3-8b's layers at 256 devices: 1.057 instead of
+            2.11) but adds collectives inside each group at every Newton-Schulz step
+            (``split_newton_schulz_bytes``).
 
     Raises:
         ValueError: ``in_flight < 1``, ``max_imbalance < 1``, or a split group that does not divide both
@@ -124,7 +127,7 @@ def muon_plan(layouts: Sequence[Layout], axis: str, *, in_flight: int | None = 2
     layouts = tuple(layouts)
     world = layouts[0].world_size if layouts else 1
     found = [(lay.name, t) for lay in layouts for t in lay.tensors if len(t.shape) == 2]
-    groups = ragged.assign_groups([t.shape for _, t in found], world, max_imbalance=max_imbalance)
+    groups = ragged.muon.assign_groups([t.shape for _, t in found], world, max_imbalance=max_imbalance)
     for (unit, t), group in zip(found, groups):
         if t.shape[0] % len(group) or t.shape[1] % len(group):
             raise ValueError(f"muon_plan: {t.name} of unit {unit!r} has shape {t.shape}; a split "
@@ -185,7 +188,7 @@ def _orthogonalize_shards(updates: dict[str, jax.Array], plan: MuonPlan,
 
     for window in plan.windows():
         held = [gather(u, m) for u, m in window]
-        orthos = [orthogonalize(m, w) * ragged.muon_scale(m.shape) for (_, m), w in zip(window, held)]
+        orthos = [orthogonalize(m, w) * ragged.muon.muon_scale(m.shape) for (_, m), w in zip(window, held)]
         for (u, m), o in zip(window, orthos):
             outs[u] = scatter(u, m, o)
         # ``x != x`` is False for every value but NaN, so ``done`` is 0.0 exactly and ``v - 0.0`` is ``v``
@@ -223,7 +226,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, *, plan: MuonPl
         direction = jax.tree.map(lambda g, b: g + momentum * (b - g), grads, buf) if nesterov else buf
         if plan is None:
             _check_matrices(updates)
-            ortho = jax.tree.map(lambda u: newton_schulz(u, dtype=ns_dtype) * ragged.muon_scale(u.shape),
+            ortho = jax.tree.map(lambda u: newton_schulz(u, dtype=ns_dtype) * ragged.muon.muon_scale(u.shape),
                                  direction)
         else:
             ortho = _orthogonalize_shards(direction, plan, ns_dtype)

@@ -1,6 +1,6 @@
 """Newton-Schulz orthogonalization: on one device, or split over a group of devices inside ``shard_map``.
 
-The split runs ``ragged.split_newton_schulz_reference``'s scheme (``ragged/_muon_split.py``): on the wide
+The split runs ``ragged.muon.split_newton_schulz_reference``'s scheme (``ragged/muon/_split.py``): on the wide
 orientation ``X`` (``m x n``, ``m <= n``) member ``i`` of the group (members in sorted device order) holds
 the column block ``X_i = X[:, i n/g:(i+1) n/g]``; the squared norm is one all-reduce; each step all-reduces
 ``A = sum_i X_i X_i^T`` (as a reduce-scatter of row blocks, then an all-gather), member ``i`` computes the
@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 import ragged
+import ragged.muon
 
 
 def _matmul(p: jax.Array, q: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -37,14 +38,15 @@ def _times(k: float, v: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return (jnp.float32(k) * v.astype(jnp.float32)).astype(dtype)
 
 
-def newton_schulz(g: jax.Array, steps: int = ragged.NS_STEPS, eps: float = 1e-7,
+def newton_schulz(g: jax.Array, steps: int = ragged.muon.NS_STEPS, eps: float = 1e-7,
                   dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """``U p^steps(S / ||G||_F) V^T`` with the quintic ``p`` of ``ragged.NS_COEFFS``, computed in ``dtype``.
+    """``U p^steps(S / ||G||_F) V^T`` with the quintic ``p`` of ``ragged.muon.NS_COEFFS``, computed in
+    ``dtype``.
 
     Returns fp32. ``dtype=jnp.bfloat16`` halves the matmul cost on accelerators; its relative Frobenius
     error against fp32 is a few percent (tested < 5%, docs/optimizers.md), as on the torch side.
     """
-    a, b, c = ragged.NS_COEFFS
+    a, b, c = ragged.muon.NS_COEFFS
     x = g.astype(dtype)
     tall = x.shape[0] > x.shape[1]
     if tall:
@@ -115,7 +117,7 @@ class _Group:
 
 
 def split_newton_schulz(rows: jax.Array, shape: tuple[int, int], devices: Sequence[int], world_size: int,
-                        axis: str, steps: int = ragged.NS_STEPS, eps: float = 1e-7,
+                        axis: str, steps: int = ragged.muon.NS_STEPS, eps: float = 1e-7,
                         dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """``newton_schulz`` of a ``shape`` matrix over the group ``devices`` (inside ``shard_map``).
 
@@ -129,7 +131,7 @@ def split_newton_schulz(rows: jax.Array, shape: tuple[int, int], devices: Sequen
     Returns:
         fp32, this device's row block of the result (zeros on the devices outside the group).
     """
-    a, b, c = ragged.NS_COEFFS
+    a, b, c = ragged.muon.NS_COEFFS
     group = _Group(devices, world_size, axis)
     g, tall, m = group.size, shape[0] > shape[1], min(shape)
     x = rows.astype(dtype)

@@ -10,11 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ragged._advise import merge_layers
-from ragged._errors import RaggedError
-from ragged._granularity import Granularity
-from ragged._presets import LlamaConfig, ModelShapes
-from ragged._shapes_file import model_units
+from ragged import Granularity, RaggedError
+from ragged.advise._advise import merge_layers
+from ragged.models import LlamaConfig, ModelShapes, model_units
 from ragged.simulate._collectives import group_shape
 from ragged.simulate._efficiency import Efficiency
 from ragged.simulate._hardware import Hardware

@@ -23,9 +23,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ragged._errors import RaggedError
-from ragged._presets import LlamaConfig, ModelShapes
-from ragged._shapes_file import UnitSpecs, model_units
+from ragged import RaggedError
+from ragged.models import LlamaConfig, ModelShapes, UnitSpecs, model_units
 from ragged.simulate._efficiency import Efficiency
 from ragged.simulate._hardware import Hardware
 from ragged.simulate._step import StepConfig, unit_times

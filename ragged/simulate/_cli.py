@@ -1,6 +1,6 @@
 """``ragged simulate``: one training step on N GPUs of a hardware profile, ours vs FSDP2 vs Megatron-FSDP.
 
-Registered by ``ragged._cli``; the table is for people, ``--json OUT`` writes every number and
+Registered by ``ragged.cli``; the table is for people, ``--json OUT`` writes every number and
 ``--svg FILE`` the step's timeline.
 """
 
@@ -10,11 +10,15 @@ import argparse
 import json
 from typing import Any
 
-from ragged._errors import RaggedError
-from ragged._granularity import Granularity
-from ragged._memory import trained_llama, trained_model_names
-from ragged._presets import llama_shapes, model_names, model_shapes
-from ragged._shapes_file import read_shapes_file
+from ragged import Granularity, RaggedError
+from ragged.models import (
+    llama_shapes,
+    model_names,
+    model_shapes,
+    read_shapes_file,
+    trained_llama,
+    trained_model_names,
+)
 from ragged.simulate._advise_step import advise_step_time
 from ragged.simulate._calibration import calibrate, load_calibration
 from ragged.simulate._efficiency import Efficiency

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ragged._errors import RaggedError
+from ragged import RaggedError
 from ragged.simulate._hardware import Hardware
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")

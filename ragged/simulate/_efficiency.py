@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ragged._errors import RaggedError
+from ragged import RaggedError
 
 DEFAULT_SOURCES = {
     "all_gather": "assumed 0.8 of the link peak: the usual NCCL bus-bandwidth share on NVSwitch systems",

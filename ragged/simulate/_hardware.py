@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ragged._errors import RaggedError
+from ragged import RaggedError
 
 _GB = 1e9
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ragged._errors import RaggedError
+from ragged import RaggedError
 
 COMPUTE, COMM = "compute", "comm"
 

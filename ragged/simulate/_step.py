@@ -3,8 +3,8 @@
 Per unit it turns the exact buffer bytes (``_workload``) into seconds with the alpha-beta collective
 model (``_collectives``), HBM bandwidth (copies, elementwise kernels, the optimizer) and FLOP/s (GEMMs,
 attention), each at its ``Efficiency``; ``_schedule`` overlaps them on a compute and a communication
-stream. Memory is the memory plan (``ragged.memory_plan``) with each method's own shard and buffer sizes,
-its transient copies and its allocator reserve.
+stream. Memory is the memory plan (``ragged.models.memory_plan``) with each method's own shard and
+buffer sizes, its transient copies and its allocator reserve.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ragged._errors import RaggedError
-from ragged._memory import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, MemoryPlan, flops_per_token, memory_plan
-from ragged._presets import LlamaConfig, ModelShapes, UnitShapes
-from ragged._shapes_file import UnitSpecs, model_units
-from ragged._sweep import compare_units
+from ragged import RaggedError
+from ragged.bench._sweep import compare_units
+from ragged.models import LlamaConfig, ModelShapes, UnitShapes, UnitSpecs, model_units
+from ragged.models._memory import DTYPE_BYTES, OPTIMIZER_STATE_BYTES, MemoryPlan, flops_per_token, memory_plan
 from ragged.simulate._collectives import collective_time
 from ragged.simulate._efficiency import Efficiency
 from ragged.simulate._hardware import Hardware
@@ -122,7 +121,7 @@ def simulate(units: ModelShapes | Sequence[UnitSpecs], c: LlamaConfig, hw: Hardw
     Args:
         units: a preset's ``ModelShapes`` or the units of a shapes file (``UnitSpecs``), in model order:
             these give the parameter buffers.
-        c: the llama whose compute, activations and logits stand in (``ragged.trained_llama``).
+        c: the llama whose compute, activations and logits stand in (``ragged.models.trained_llama``).
         hw: the hardware profile.
         config: GPUs, HSDP replicas, batch, sequence, precision, optimizer, activation checkpointing.
         methods: any of ``ours``, ``fsdp2``, ``megatron``.
@@ -136,7 +135,7 @@ def simulate(units: ModelShapes | Sequence[UnitSpecs], c: LlamaConfig, hw: Hardw
         RaggedError: an unknown method, dtype or optimizer, or a bad ``config``.
 
     Example:
-        >>> from ragged import model_shapes, trained_llama
+        >>> from ragged.models import model_shapes, trained_llama
         >>> from ragged.simulate import StepConfig, hardware, simulate
         >>> c, _ = trained_llama("llama3-8b")
         >>> [r.method for r in simulate(model_shapes("llama3-8b"), c, hardware("h100"), StepConfig(8))]

@@ -1,7 +1,7 @@
 """What one FSDP unit costs each method per step: bytes on the links, bytes through HBM, FLOPs.
 
 Bytes come from the exact per-unit buffers: our planner's ``Layout`` and the baselines' layouts
-(``ragged.baseline_layouts``) of the same tensors, padding included. Every method gathers its unit's
+(``ragged.bench.baseline_layouts``) of the same tensors, padding included. Every method gathers its unit's
 whole buffer of ``g x S`` elements in the compute dtype and reduce-scatters the gradient in the reduce
 dtype (fp32, as the memory plan keeps gradients); under HSDP the reduce-scattered shard is then
 all-reduced over the replicas.
@@ -32,9 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragged._baselines import BASELINES
-from ragged._presets import LlamaConfig
-from ragged._shapes_file import UnitSpecs
-from ragged._sweep import UnitComparison, compare_units
+from ragged.bench._sweep import UnitComparison, compare_units
+from ragged.models import LlamaConfig, UnitSpecs
 
 LAYER_PREFIX = "layers."
 ELEMENTWISE_PASSES = 3  # assumption: each saved activation is written once and read about twice forward

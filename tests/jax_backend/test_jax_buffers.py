@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import ragged
+import ragged.models
 from jax_backend import (
     LayoutMismatchError,
     check_params,
@@ -19,7 +20,7 @@ from jax_backend import (
 from jax_backend.models import model_params, parallelize
 from ragged import plan_model
 
-UNITS = ragged.model_shapes("llama-tiny").units
+UNITS = ragged.models.model_shapes("llama-tiny").units
 
 
 def rows32(name: str, shape: tuple[int, ...]) -> str:

@@ -10,13 +10,15 @@ from flax import nnx
 
 import jax_backend
 import ragged
+import ragged.checkpoint
+import ragged.models
 import torch_backend
 from jax_backend import LayoutMismatchError, fqn, full_params, make_mesh, shard_params
 from jax_backend.models import Llama, parallelize
 from ragged import plan_model
 from torch_backend.models import Llama as TorchLlama
 
-UNITS = ragged.model_shapes("llama-tiny").units
+UNITS = ragged.models.model_shapes("llama-tiny").units
 
 
 def torch_state_dict(dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -50,7 +52,7 @@ def test_torch_jax_torch_round_trip_is_bit_exact_with_resharding(tmp_path, dtype
         assert back[name].dtype == dtype and back[name].shape == value.shape
         assert bits(back[name]) == bits(value), name
         assert np.asarray(resharded[name]).tobytes() == bits(value), name
-    assert ragged.load_neutral_checkpoint(tmp_path / "from_jax").layouts == layouts3
+    assert ragged.checkpoint.load_neutral_checkpoint(tmp_path / "from_jax").layouts == layouts3
 
 
 def test_torch_weights_give_the_same_logits_in_flax(tmp_path):
@@ -111,5 +113,5 @@ def test_checkpoint_that_does_not_match_the_layouts_is_named(tmp_path):
     assert jax_backend.load_neutral_params(tmp_path / "ck")["output.weight"].shape == (100, 64)
     buffers = shard_params({k: v.numpy() for k, v in torch_state_dict(torch.float32).items()},
                            plan_model(UNITS, 2), make_mesh((2,), ("fsdp",)), "fsdp")
-    with pytest.raises(ragged.CheckpointError, match="exists"):
+    with pytest.raises(ragged.checkpoint.CheckpointError, match="exists"):
         jax_backend.save_neutral_checkpoint(tmp_path / "ck", buffers, plan_model(UNITS, 2))

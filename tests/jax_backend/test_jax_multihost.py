@@ -12,6 +12,7 @@ from pathlib import Path
 from jax_reference import rel_err
 
 import ragged
+import ragged.checkpoint
 
 HERE = Path(__file__).parent
 
@@ -42,7 +43,7 @@ def test_two_processes_match_single_device(tmp_path, reference):
     ref_losses, ref_params = reference
     losses = json.loads((tmp_path / "losses.json").read_text())
     assert rel_err(losses, ref_losses) <= 1e-5
-    checkpoint = ragged.load_neutral_checkpoint(tmp_path / "ckpt")
+    checkpoint = ragged.checkpoint.load_neutral_checkpoint(tmp_path / "ckpt")
     assert [lay.world_size for lay in checkpoint.layouts] == [4] * len(checkpoint.layouts)
     for name, want in ref_params.items():
         assert rel_err(checkpoint.tensors[name].bits, want) <= 1e-5, name

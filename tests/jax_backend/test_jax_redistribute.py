@@ -9,11 +9,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ragged
+import ragged.models
 from jax_backend import make_mesh, shard_map
 from jax_backend._redistribute import gather_rows, gather_tensor, scatter_rows, scatter_tensor
 from ragged import plan_model
 
-UNIT = ragged.model_shapes("llama-tiny").units[1]  # layers.0: nine tensors of five shapes
+UNIT = ragged.models.model_shapes("llama-tiny").units[1]  # layers.0: nine tensors of five shapes
 
 
 def rows32(name: str, shape: tuple[int, ...]) -> str:

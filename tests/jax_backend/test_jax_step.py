@@ -11,7 +11,8 @@ from jax_reference import assert_params_close, rel_err, train_fsdp, train_refere
 
 from jax_backend import FSDP, LayoutMismatchError, MixedPrecisionPolicy, make_mesh, unpack_unit
 from jax_backend.models import cross_entropy, llama_stages, model_params, parallelize
-from ragged import model_shapes, plan_model
+from ragged import plan_model
+from ragged.models import model_shapes
 
 MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
 

@@ -1,9 +1,9 @@
 """JAX Muon with Newton-Schulz split over groups of devices (``muon_plan(..., max_imbalance=)``).
 
-At 6 devices the core (``ragged.assign_groups``) splits a square (wide orientation: the members exchange
+At 6 devices the core (``ragged.muon.assign_groups``) splits a square (wide orientation: the members exchange
 sub-blocks to hold column blocks) and a tall matrix over groups of 4, one of them not contiguous
 ((1, 2, 3, 5)), and keeps two whole-matrix roots. References: single-device Muon (``optax`` on the full
-arrays), the core's numpy scheme ``ragged.split_newton_schulz_reference`` in float64, the core's load and
+arrays), the core's numpy scheme ``ragged.muon.split_newton_schulz_reference`` in float64, the core's load and
 transfer plans. The split adds the Gram matrix's inner products in 4 partial sums, so it is not bit for bit
 single-device Muon: tolerance ``rtol 1e-5, atol 1e-6`` on the parameters after 3 steps (measured: 2.4e-7).
 Then the same in ``FSDP.train_step`` on llama-tiny (4 devices, two matrices split in pairs).
@@ -20,6 +20,9 @@ from jax_reference import rel_err, train_fsdp, train_reference
 from test_optim_jax import _fulls, _muon, _run_full, _run_sharded, _tiny
 
 import ragged
+import ragged.models
+import ragged.muon
+import ragged.quant
 from jax_backend import make_mesh, on_shards
 from jax_backend.models import parallelize
 from jax_backend.optim import muon_plan, newton_schulz, scale_by_muon
@@ -50,7 +53,7 @@ def _split_runs():
 def test_the_case_splits_a_wide_and_a_tall_matrix_and_keeps_whole_roots():
     groups = {m.name: m.group for m in _split_plan([_layout()]).matrices["unit"]}
     assert groups == {"w_in": (0,), "w_small": (5,), "sq": (1, 2, 3, 5), "tall": (1, 2, 3, 4)}
-    assert groups == dict(zip(["w_in", "w_small", "sq", "tall"], ragged.assign_groups(SHAPES, WORLD)))
+    assert groups == dict(zip(["w_in", "w_small", "sq", "tall"], ragged.muon.assign_groups(SHAPES, WORLD)))
 
 
 def test_split_muon_equals_single_device_muon_and_overlap_equals_sequential():
@@ -71,14 +74,14 @@ def test_split_newton_schulz_equals_the_cores_numpy_scheme():
     got, _ = _run_sharded(lambda lays: scale_by_muon(0.0, nesterov=False, plan=_split_plan(lays)), SPECS,
                           zeros, grads, WORLD)
     for m in _split_plan([_layout()]).matrices["unit"]:
-        want, _, _ = ragged.split_newton_schulz_reference(np.asarray(grads[0][m.name], np.float64),
+        want, _, _ = ragged.muon.split_newton_schulz_reference(np.asarray(grads[0][m.name], np.float64),
                                                           len(m.group))
-        want = want * ragged.muon_scale(m.shape)
+        want = want * ragged.muon.muon_scale(m.shape)
         err = np.linalg.norm(np.asarray(got[m.name], np.float64) - want) / np.linalg.norm(want)
         assert err < 5e-6, (m.name, err)  # measured 7e-7 to 1e-6
 
 
-def _in_group_permutes(shape, g, steps=ragged.NS_STEPS):
+def _in_group_permutes(shape, g, steps=ragged.muon.NS_STEPS):
     """``ppermute``s of the scheme inside a group: the squared norm's all-gather, per step the reduce-scatter
     and the all-gathers of ``A`` and ``B`` (``g - 1`` ring shifts each), and for a wide matrix the exchange
     of sub-blocks before and after."""
@@ -97,7 +100,7 @@ def test_the_compiled_step_runs_the_groups_collectives():
     layout, moves, conds = _layout(), 0, 0
     for m in _split_plan([layout]).matrices["unit"]:
         wide = m.shape[0] <= m.shape[1]
-        conds += 2 + 4 * ragged.NS_STEPS + 2 * wide if len(m.group) > 1 else 1
+        conds += 2 + 4 * ragged.muon.NS_STEPS + 2 * wide if len(m.group) > 1 else 1
         target = m.rows(WORLD) if len(m.group) > 1 else ragged.RaggedShard.whole_on(m.root, WORLD)
         pieces = ragged.ragged_holdings(layout.placement(m.name), m.shape, m.name)
         there = ragged.ragged_holdings(target, m.shape, m.name)
@@ -117,11 +120,12 @@ def test_the_compiled_step_runs_the_groups_collectives():
 def test_the_load_report_is_the_cores_group_load():
     layout = _layout()
     split, whole = _split_plan([layout]), muon_plan([layout], "fsdp")
-    np.testing.assert_array_equal(split.newton_schulz_load,
-                                  ragged.group_load(SHAPES, ragged.assign_groups(SHAPES, WORLD), WORLD))
+    groups = ragged.muon.assign_groups(SHAPES, WORLD)
+    np.testing.assert_array_equal(split.newton_schulz_load, ragged.muon.group_load(SHAPES, groups, WORLD))
     roots = [m.root for m in whole.matrices["unit"]]
-    np.testing.assert_array_equal(whole.newton_schulz_load, ragged.newton_schulz_load(SHAPES, roots, WORLD))
-    total = sum(ragged.newton_schulz_flops(s) for s in SHAPES)  # splitting moves work, adds none
+    np.testing.assert_array_equal(whole.newton_schulz_load,
+                                  ragged.muon.newton_schulz_load(SHAPES, roots, WORLD))
+    total = sum(ragged.muon.newton_schulz_flops(s) for s in SHAPES)  # splitting moves work, adds none
     assert split.newton_schulz_load.sum() == whole.newton_schulz_load.sum() == total
     imbalance = lambda load: load.max() / load.mean()  # noqa: E731
     assert imbalance(split.newton_schulz_load) < 1.25 < 2.4 < imbalance(whole.newton_schulz_load)
@@ -134,7 +138,7 @@ def test_split_bf16_newton_schulz_is_within_its_stated_tolerance_of_fp32():
     bf16, _ = _run_sharded(lambda lays: scale_by_muon(0.0, nesterov=False, plan=_split_plan(lays),
                                                       ns_dtype=jnp.bfloat16), SPECS, zeros, grads, WORLD)
     for name in ("sq", "tall"):
-        fp32 = np.asarray(newton_schulz(grads[0][name])) * ragged.muon_scale(grads[0][name].shape)
+        fp32 = np.asarray(newton_schulz(grads[0][name])) * ragged.muon.muon_scale(grads[0][name].shape)
         rel = np.linalg.norm(np.asarray(bf16[name]) - fp32) / np.linalg.norm(fp32)
         assert 0.005 < rel < 0.05, (name, rel)  # docs/optimizers.md: < 5%, as whole-matrix bf16
 
@@ -143,7 +147,7 @@ def test_plan_time_validation(monkeypatch):
     with pytest.raises(ValueError, match="max_imbalance"):
         muon_plan([_layout()], "fsdp", max_imbalance=0.5)
     # a group that does not divide a matrix is refused before anything is traced, naming it
-    monkeypatch.setattr(ragged, "assign_groups", lambda shapes, world, **_: ((0, 1, 2),) * len(shapes))
+    monkeypatch.setattr(ragged.muon, "assign_groups", lambda shapes, world, **_: ((0, 1, 2),) * len(shapes))
     with pytest.raises(ValueError, match=r"w_in of unit 'unit' has shape \(64, 16\).*3 devices"):
         muon_plan([_layout()], "fsdp", max_imbalance=1.1)
     with pytest.raises(ValueError, match=r"w: Newton-Schulz is split over devices \(0, 1\), it has no root"):
@@ -154,7 +158,7 @@ def test_plan_time_validation(monkeypatch):
 def test_llama3_8b_layers_plan_within_ten_percent(world):
     """The plan alone (nothing runs): the JAX Muon plan of llama3-8b's decoder layers reports max/mean
     <= 1.1 with ``max_imbalance=1.1``; at 256 devices whole-matrix roots cannot get under 2.11."""
-    layers = [u for u in ragged.model_shapes("llama3-8b").units if u.name.startswith("layers.")]
+    layers = [u for u in ragged.models.model_shapes("llama3-8b").units if u.name.startswith("layers.")]
     layouts = ragged.plan_model(layers, world)
     split, whole = muon_plan(layouts, "fsdp", max_imbalance=1.1), muon_plan(layouts, "fsdp")
     imbalance = lambda load: load.max() / load.mean()  # noqa: E731
@@ -172,7 +176,8 @@ def test_fsdp_train_step_with_split_muon_matches_single_device():
     """llama-tiny in ``FSDP.train_step`` over 4 devices; ``max_imbalance=1.0`` splits two matrices in pairs
     (the core: whole roots reach 1.008 there): the losses equal single-device Muon's within 1e-4."""
     model, batches = _tiny()
-    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), granularity=lambda n, s: ragged.tile_granularity(s))
+    tiled = lambda n, s: ragged.quant.tile_granularity(s)
+    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), granularity=tiled)
     plan = muon_plan(fsdp.layouts, fsdp.axis, max_imbalance=1.0)
     split = [m for ms in plan.matrices.values() for m in ms if len(m.group) > 1]
     assert [m.group for m in split] == [(0, 1), (2, 3)], split

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jax_reference import rel_err, train_fsdp, train_reference
 
 import ragged
+import ragged.quant
 from jax_backend import full_params, make_mesh, on_shards, shard_map, shard_params
 from jax_backend.models import parallelize
 from jax_backend.optim import adamw8bit, muon, muon_plan, newton_schulz, shard_tiles
@@ -102,7 +103,7 @@ def test_adamw8bit_on_shards_gives_the_same_bits_as_on_full_tensors(world):
 
 @pytest.mark.parametrize("world", (3, 4))
 def test_tile_ids_and_muon_masks_on_each_device_match_the_core(world):
-    from ragged._tiles import local_tile_ids
+    from ragged.quant._tiles import local_tile_ids
 
     layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in ADAM_SPECS], world, name="unit")
     tiles, plan = shard_tiles([layout], "fsdp")["unit"], muon_plan([layout], "fsdp")
@@ -121,7 +122,7 @@ def test_tile_ids_and_muon_masks_on_each_device_match_the_core(world):
 
 def test_a_layout_that_cuts_tiles_is_rejected_naming_the_tensor():
     layout = ragged.plan([ragged.TensorSpec("layers.0.feed_forward.w1.weight", (64, 64), "element")], 3)
-    with pytest.raises(ragged.TileError, match=r"layers\.0\.feed_forward\.w1\.weight.*tiles:32x32"):
+    with pytest.raises(ragged.quant.TileError, match=r"layers\.0\.feed_forward\.w1\.weight.*tiles:32x32"):
         shard_tiles([layout], "fsdp")
 
 
@@ -220,7 +221,8 @@ def _tiny():
 @pytest.mark.parametrize("name", ["adamw8bit", "muon"])
 def test_fsdp_train_step_with_structure_aware_optimizers_matches_single_device(name):
     model, batches = _tiny()
-    fsdp = parallelize(model, make_mesh((2,), ("fsdp",)), granularity=lambda n, s: ragged.tile_granularity(s))
+    tiled = lambda n, s: ragged.quant.tile_granularity(s)
+    fsdp = parallelize(model, make_mesh((2,), ("fsdp",)), granularity=tiled)
     if name == "adamw8bit":
         tiles = shard_tiles(fsdp.layouts, fsdp.axis)
         sharded, full = adamw8bit(3e-3, weight_decay=0.1, tiles=tiles), adamw8bit(3e-3, weight_decay=0.1)

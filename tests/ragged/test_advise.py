@@ -2,9 +2,11 @@
 
 import pytest
 
-from ragged import ModelShapes, RaggedError, TensorSpec, UnitShapes, advise, model_shapes, plan
-from ragged._advise import merge_layers
-from ragged._shapes_file import model_units
+from ragged import RaggedError, TensorSpec, plan
+from ragged.advise import advise
+from ragged.advise._advise import merge_layers
+from ragged.models import ModelShapes, UnitShapes, model_shapes
+from ragged.models._shapes_file import model_units
 
 
 def _replan(model, group_size, merge, granularity="rows:1"):

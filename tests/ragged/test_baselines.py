@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ragged import PlanningError, TensorSpec, baseline_layouts
+from ragged import PlanningError, TensorSpec
 from ragged._baselines import count_split_blocks, megatron_offsets
+from ragged.bench import baseline_layouts
 
 
 def ceil_to(x, k):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import ragged
-from ragged import CheckpointError, StoredTensor, load_neutral_checkpoint, save_neutral_checkpoint
-from ragged._checkpoint import encode
+from ragged.checkpoint import CheckpointError, StoredTensor, load_neutral_checkpoint, save_neutral_checkpoint
+from ragged.checkpoint._neutral import encode
 
 
 def tensors() -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""The ``ragged`` command, run in process through ``ragged._cli.main`` (plus one installed-script check)."""
+"""The ``ragged`` command, run in process through ``ragged.cli.main`` (plus one installed-script check)."""
 
 import json
 import math
@@ -10,8 +10,10 @@ from dataclasses import asdict
 
 import pytest
 
-from ragged import Layout, model_shapes, padding_sweep
-from ragged._cli import main
+from ragged import Layout
+from ragged.bench import padding_sweep
+from ragged.cli import main
+from ragged.models import model_shapes
 
 
 def _check_unit_json(unit, world_size):

@@ -9,7 +9,6 @@ import itertools
 import math
 
 import pytest
-from checker import check_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +16,7 @@ from ragged import PlanningError, plan
 from ragged._exact import MAX_TENSORS, exact_plan
 from ragged._layout import shard_size_lower_bound
 from ragged._planner import search_shard_size
+from tests.ragged.checker import check_layout
 
 # Measured over the 600 seeded instances below: the heuristic alone (search_shard_size, without the
 # exact stage plan() adds for units of <= 6 tensors) is optimal on 583 (97.2%) and at worst 7/6 of

@@ -3,11 +3,11 @@
 import math
 
 import pytest
-from checker import expected_block
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ragged import Granularity, GranularityError, block_numel, granularity_for
+from tests.ragged.checker import expected_block
 
 
 @pytest.mark.parametrize("value,text", [

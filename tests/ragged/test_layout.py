@@ -3,12 +3,12 @@
 import json
 
 import pytest
-from checker import check_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ragged import Layout, PlanningError, TensorSlot, plan
 from ragged._layout import ShardGrid, basic_lower_bound
+from tests.ragged.checker import check_layout
 
 
 def _data(world, shard, tensors, align=1):

@@ -85,5 +85,5 @@ def test_validate_names_the_tensor_and_the_rule():
         RaggedShard((0,), (1,)).ranges((3, -4), "w")
     with pytest.raises(PlacementError, match="rank 3 is outside the 2 devices"):
         RaggedShard((0,), (1, 1)).local_numel((2, 2), 3, "w")
-    with pytest.raises(PlacementError, match="root 4 is outside the 3 devices"):
+    with pytest.raises(PlacementError, match="device 4 is outside the 3 devices"):
         RaggedShard.whole_on(4, 3)

@@ -3,22 +3,13 @@
 import math
 
 import pytest
-from checker import check_layout, expected_block
 
-from ragged import (
-    GranularityError,
-    Layout,
-    PlanningError,
-    TensorSpec,
-    UnitSpecs,
-    baseline_layouts,
-    granularity_for,
-    model_shapes,
-    plan,
-    plan_model,
-)
+from ragged import GranularityError, Layout, PlanningError, TensorSpec, granularity_for, plan, plan_model
 from ragged._packing import earliest_start, place_by_class, place_in_order
 from ragged._planner import first_fit_shard_size, search_shard_size
+from ragged.bench import baseline_layouts
+from ragged.models import UnitSpecs, model_shapes
+from tests.ragged.checker import check_layout, expected_block
 
 
 def _specs(layout):

@@ -7,12 +7,12 @@ granularities and align 1, 2, 4, 8. Examples are derandomized so CI sees the sam
 import math
 
 import numpy as np
-from checker import check_layout, device_ranges, expected_block
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_instances import instance
 
 from ragged import Layout, plan
+from tests.ragged.checker import check_layout, device_ranges, expected_block
+from tests.ragged.planner_instances import instance
 
 FAST = settings(max_examples=1500, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -7,17 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from ragged import (
-    RaggedError,
-    baseline_layouts,
-    memory_plan,
-    model_shapes,
-    model_units,
-    plan_model,
-    trained_llama,
-)
+from ragged import RaggedError, plan_model
 from ragged._baselines import allgather_bytes
-from ragged._cli import main
+from ragged.bench import baseline_layouts
+from ragged.cli import main
+from ragged.models import memory_plan, model_shapes, model_units, trained_llama
 from ragged.simulate import (
     PROFILES,
     Calibration,
@@ -220,7 +214,7 @@ def test_fsdp2_pads_gpt_oss_experts_at_256_and_needs_more_memory():
 
 # ----- compute and the schedule -------------------------------------------------------------------
 def test_unit_flops_add_up_to_flops_per_token():
-    from ragged import flops_per_token
+    from ragged.models import flops_per_token
 
     c, _ = trained_llama("llama3-8b")
     r = simulate(model_shapes("llama3-8b"), c, H800, StepConfig(8, seq_len=2048), methods=["ours"])[0]
@@ -340,7 +334,7 @@ def test_timeline_svg_draws_every_op():
 
 # ----- advise by step time ------------------------------------------------------------------------
 def test_advise_by_step_time_ranks_the_simulated_options():
-    from ragged._advise import merge_layers
+    from ragged.advise._advise import merge_layers
 
     c, _ = trained_llama("llama-tiny")
     hw = PROFILES["a100"]

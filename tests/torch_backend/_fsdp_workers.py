@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from ragged import LLAMA_TINY
+from ragged.models import LLAMA_TINY
 
 B, T, STEPS, SAVE_AT = 12, 16, 10, 5  # 12 rows split evenly over 1, 2, 3 and 4 ranks
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 0

@@ -124,7 +124,7 @@ def test_debug_counter_one_all_gather_and_one_reduce_scatter_per_unit(run, resha
 
 def test_debug_counter_bytes_equal_the_simulators(run):
     """The 4-rank CPU run moves, per unit and step, the bytes ``ragged.simulate`` charges for it (fp32)."""
-    from ragged import model_shapes, trained_llama
+    from ragged.models import model_shapes, trained_llama
     from ragged.simulate import StepConfig, hardware, simulate
 
     c = result(run(4), "counter")["reshard=False"]  # one all-gather and one reduce-scatter per unit

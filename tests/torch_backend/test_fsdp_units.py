@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ragged
+import ragged.checkpoint
+import ragged.models
 import torch_backend
 from torch_backend import (
     MixedPrecisionPolicy,
@@ -42,7 +44,7 @@ def _meta_llama() -> Llama:
 def test_plan_module_equals_the_jax_backend_layouts(world):
 
     model = _meta_llama()
-    want = ragged.plan_model(ragged.model_shapes("llama-tiny").units, world)
+    want = ragged.plan_model(ragged.models.model_shapes("llama-tiny").units, world)
     got = tuple(plan_module(group(model), world, root=model) for group in UNIT_GROUPS.values())
     assert got == want
 
@@ -250,8 +252,9 @@ def test_apply_changing_dtype_rebuilds_the_unit_and_keeps_views(mesh):
 def test_dcp_checkpoint_refusals_raise_the_core_checkpoint_error(tmp_path):
     """One checkpoint error for every format: DCP's refusals (before any collective) are ragged's."""
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ragged.CheckpointError, match="save_dcp_checkpoint: .* exists already"):
+    with pytest.raises(ragged.checkpoint.CheckpointError, match="save_dcp_checkpoint: .* exists already"):
         save_dcp_checkpoint(tmp_path, model)
-    with pytest.raises(ragged.CheckpointError, match="load_dcp_checkpoint: .* not a complete checkpoint"):
+    with pytest.raises(ragged.checkpoint.CheckpointError,
+                       match="load_dcp_checkpoint: .* not a complete checkpoint"):
         load_dcp_checkpoint(tmp_path / "missing", model)
-    assert torch_backend.CheckpointError is ragged.CheckpointError
+    assert torch_backend.CheckpointError is ragged.checkpoint.CheckpointError

@@ -8,6 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import ragged
+import ragged.muon
 from tests.torch_backend.test_optim_torch import MUON_SPECS, _fulls, _sharded, _train, run_threads
 from torch_backend.optim import Muon, newton_schulz
 
@@ -23,7 +24,7 @@ def test_overlapped_muon_equals_sequential_muon_bit_for_bit(world, in_flight, ma
     params, grads = _fulls(SPECS, seed=world, steps=3)
     if max_imbalance is not None:
         shapes = [s for _, s, _ in SPECS if len(s) == 2]
-        assert max(len(g) for g in ragged.assign_groups(shapes, world, max_imbalance=max_imbalance)) > 1
+        assert max(len(g) for g in ragged.muon.assign_groups(shapes, world, max_imbalance=max_imbalance)) > 1
 
     def make(overlap):
         return lambda named: Muon(named, lr=0.02, weight_decay=0.01, adamw_lr=1e-2, overlap=overlap,
@@ -56,7 +57,7 @@ def test_muon_rejects_in_flight_below_one():
 def test_newton_schulz_flops_match_torchs_flop_counter(shape):
     with FlopCounterMode(display=False) as counter:
         newton_schulz(torch.randn(shape))
-    assert counter.get_total_flops() == ragged.newton_schulz_flops(shape)
+    assert counter.get_total_flops() == ragged.muon.newton_schulz_flops(shape)
 
 
 def test_bf16_newton_schulz_is_within_its_stated_tolerance_of_fp32():

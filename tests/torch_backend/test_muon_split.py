@@ -1,10 +1,11 @@
-"""Split Newton-Schulz on torch: one matrix orthogonalized by a group of devices (``ragged.assign_groups``).
+"""Split Newton-Schulz on torch: one matrix orthogonalized by a group of devices
+(``ragged.muon.assign_groups``).
 
 The case is one llama3-8b decoder layer's seven matrices scaled by 1/128 on 8 devices: the same ratios of
 matrices to devices and of costs as the whole model (224 matrices) on 256 devices, so the same plan:
 whole-matrix roots reach only max/mean 2.11, and ``assign_groups`` splits the three FFN matrices (two tall,
 one wide) over groups of 4 that overlap, reaching 1.057. References: single-process Muon and the core's
-numpy scheme (``ragged.split_newton_schulz_reference``, float64). The split adds the Gram matrix's inner
+numpy scheme (``ragged.muon.split_newton_schulz_reference``, float64). The split adds the Gram matrix's inner
 products in ``g`` partial sums, another rounding order, so the stated tolerance is 1e-5 relative (fp32).
 Threads (threaded process group) for the numbers; gloo processes to count FLOPs and collectives per rank.
 """
@@ -19,6 +20,7 @@ import torch
 from _dist import Launcher, assert_case, run_cases
 
 import ragged
+import ragged.muon
 from tests.torch_backend.test_optim_torch import MUON_SPECS, _fulls, _muon, _train, run_threads
 from torch_backend import RaggedShard
 from torch_backend.optim import Muon, newton_schulz
@@ -74,7 +76,7 @@ def test_split_newton_schulz_equals_the_numpy_scheme_and_one_device(shape, g, dt
         return split_newton_schulz(rows, shape, groups[devices], dtype=dtype)
 
     got = torch.cat(run_threads(g + 1, fn)[1:]).view(shape)
-    ref, _, _ = ragged.split_newton_schulz_reference(x.double().numpy(), g)
+    ref, _, _ = ragged.muon.split_newton_schulz_reference(x.double().numpy(), g)
     tol = RTOL if dtype == torch.float32 else 0.05
     assert _rel(got, ref) < tol
     assert _rel(got, newton_schulz(x)) < tol
@@ -141,9 +143,9 @@ def test_split_muon_first_update_is_the_numpy_split_scheme():
     got, devices = results[0]
     for n, shape, _ in LAYER_SPECS:
         if len(shape) == 2:
-            ref, _, _ = ragged.split_newton_schulz_reference((1 - mu) * grads[0][n].double().numpy(),
+            ref, _, _ = ragged.muon.split_newton_schulz_reference((1 - mu) * grads[0][n].double().numpy(),
                                                              len(devices[n]))
-            update = (params[n] - got[n]) / ragged.muon_scale(shape)
+            update = (params[n] - got[n]) / ragged.muon.muon_scale(shape)
             assert _rel(update, ref) < RTOL, n
 
 
@@ -164,7 +166,7 @@ def test_split_muon_under_hsdp_equals_single_process_muon():
                                                                Replicate()]))
 
     matrices = [s for _, s, _ in MUON_SPECS if len(s) == 2]
-    assert [len(d) for d in ragged.assign_groups(matrices, 4)] == [4, 2, 4]  # wide, tall, square split
+    assert [len(d) for d in ragged.muon.assign_groups(matrices, 4)] == [4, 2, 4]  # wide, tall, square split
     for rank, got in enumerate(run_threads(8, fn)):
         for n in params:
             torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=1e-6, msg=f"rank {rank}: {n}")
@@ -190,12 +192,12 @@ def checks(rank: int, world: int) -> dict:
         opt = _split_muon(list(live.items()))
         matrices = {n: p for n, p in live.items() if p.ndim == 2}
         shapes = [tuple(p.shape) for p in matrices.values()]
-        groups = ragged.assign_groups(shapes, world)
+        groups = ragged.muon.assign_groups(shapes, world)
         load = opt.newton_schulz_load()
-        np.testing.assert_array_equal(load, ragged.group_load(shapes, groups, world))
+        np.testing.assert_array_equal(load, ragged.muon.group_load(shapes, groups, world))
         assert load.max() / load.mean() < 1.06  # 1.057, against 2.11 for whole-matrix roots:
-        roots = ragged.assign_roots([ragged.newton_schulz_flops(s) for s in shapes], world)
-        whole = ragged.newton_schulz_load(shapes, roots, world)
+        roots = ragged.muon.assign_ns_devices([ragged.muon.newton_schulz_flops(s) for s in shapes], world)
+        whole = ragged.muon.newton_schulz_load(shapes, roots, world)
         assert whole.max() / whole.mean() > 2.1
         np.testing.assert_array_equal(_muon(list(live.items())).newton_schulz_load(), whole)  # the default
         with FlopCounterMode(display=False) as flops, debug_counter() as counter:
@@ -207,13 +209,14 @@ def checks(rank: int, world: int) -> dict:
             assert tuple(devices) == groups[list(matrices).index(n)]
             if len(devices) > 1 and rank in devices:
                 unit = f"muon split {tuple(p.shape)}"
-                want[("all_reduce", unit)] += 1 + ragged.NS_STEPS
-                want[("all_gather", unit)] += ragged.NS_STEPS
+                want[("all_reduce", unit)] += 1 + ragged.muon.NS_STEPS
+                want[("all_gather", unit)] += ragged.muon.NS_STEPS
                 want[("all_to_all", unit)] += 2 * (p.shape[0] <= p.shape[1])  # row <-> column blocks
         got = Counter({key: c for key, c in counter.calls.items() if key[1].startswith("muon split")})
         assert got == want, (got, want)
         whole_roots = [opt.root(p) for p in matrices.values() if len(opt.ns_devices(p)) == 1]
-        assert counter.calls[("all_to_all", "muon gather")] == len(ragged.root_buckets(whole_roots)) + 1
+        buckets = ragged.muon.ns_device_buckets(whole_roots)
+        assert counter.calls[("all_to_all", "muon gather")] == len(buckets) + 1
         with pytest.raises(ValueError, match="split over devices"):
             opt.root(matrices["w_down"])
 

@@ -19,6 +19,8 @@ from _dist import Launcher, assert_case, run_cases
 from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
 import ragged
+import ragged.muon
+import ragged.quant
 import torch_backend  # noqa: F401  (installs the DTensor hooks before distribute_tensor is used)
 from tests.numpy_references import assert_tracks_fp32_adamw, newton_schulz_closed_form
 from torch_backend import RaggedShard
@@ -143,7 +145,7 @@ def test_adam8bit_rejects_a_layout_that_cuts_tiles_on_every_rank():
         layout = ragged.plan([ragged.TensorSpec("layers.0.attention.wq.weight", (64, 64), "element")], world)
         p = distribute_tensor(torch.zeros(64, 64), mesh, [RaggedShard.from_core(layout.placement(
             "layers.0.attention.wq.weight"))])
-        with pytest.raises(ragged.TileError) as err:
+        with pytest.raises(ragged.quant.TileError) as err:
             Adam8bit([("layers.0.attention.wq.weight", torch.nn.Parameter(p))])
         return str(err.value)
 
@@ -172,12 +174,12 @@ def test_placements_that_can_cut_blocks_are_rejected_naming_the_parameter():
 @pytest.mark.parametrize("shape,band", [((96, 64), 32 * 64), ((6, 40), 40), ((7,), 1)])
 def test_to_tiles_follows_the_core_tile_ids(shape, band):
     for start, stop in [(0, 3 * band), (band, 3 * band), (2 * band, 3 * band)]:
-        blocks = to_tiles(torch.arange(start, stop), shape, ragged.TILE)
-        ids = ragged.tile_ids(shape, start, stop)
+        blocks = to_tiles(torch.arange(start, stop), shape, ragged.quant.TILE)
+        ids = ragged.quant.tile_ids(shape, start, stop)
         for b in range(blocks.shape[0]):
             want = np.flatnonzero(ids == b) + start
             assert sorted(blocks[b].tolist()) == want.tolist()
-        assert torch.equal(from_tiles(blocks, shape, ragged.TILE), torch.arange(start, stop))
+        assert torch.equal(from_tiles(blocks, shape, ragged.quant.TILE), torch.arange(start, stop))
 
 
 def test_adam8bit_tracks_fp32_adamw_on_a_regression_problem():
@@ -272,7 +274,7 @@ def test_optimizers_on_fully_shard_units_match_single_process(make_opt, world):
 
     def fn(rank: int, world: int):
         sharded = fully_shard(copy.deepcopy(base), mesh=init_device_mesh("cpu", (world,)),
-                              granularity=lambda name, shape: ragged.tile_granularity(shape))
+                              granularity=lambda name, shape: ragged.quant.tile_granularity(shape))
         return _fit(sharded, make_opt, x, y), {n: p.full_tensor() for n, p in sharded.named_parameters()}
 
     # The reduce-scatter sums gradients in another order; for 8-bit Adam that last-ulp difference can move a
@@ -311,10 +313,10 @@ def checks(rank: int, world: int) -> dict:
             counts = {str(op): n for op, n in comm.get_comm_counts().items()}
             roots = [opt.root(p) for p in live.values() if p.ndim == 2]
             # sequential: one gather + one scatter per matrix; overlapped: one of each per root bucket
-            exchanges = matrices if not overlap else len(ragged.root_buckets(roots))
+            exchanges = matrices if not overlap else len(ragged.muon.ns_device_buckets(roots))
             assert counts == {"c10d.alltoall_base_": 2 * exchanges}, (overlap, counts)
-        assert sorted(roots) == sorted(ragged.assign_roots(
-            [ragged.newton_schulz_flops(tuple(p.shape)) for p in live.values() if p.ndim == 2], world))
+        assert sorted(roots) == sorted(ragged.muon.assign_ns_devices(
+            [ragged.muon.newton_schulz_flops(tuple(p.shape)) for p in live.values() if p.ndim == 2], world))
         assert len(set(roots)) == min(world, matrices)  # spread over the devices
 
     def adam8bit_counts() -> None:

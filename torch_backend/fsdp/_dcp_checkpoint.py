@@ -7,7 +7,7 @@ the new local shards. Keys are ``model.<fqn>`` and ``optim.<fqn>.<state>``.
 
 A checkpoint is written to ``<path>.partial`` and renamed to ``<path>`` only once every rank has written
 its part, so a run that dies while saving leaves the previous complete checkpoint as the latest.
-Failures raise the core's ``ragged.CheckpointError`` (the one checkpoint error of every format).
+Failures raise the core's ``ragged.checkpoint.CheckpointError`` (the one checkpoint error of every format).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ragged import CheckpointError
+from ragged.checkpoint import CheckpointError
 from torch_backend.fsdp._fully_shard import units
 from torch_backend.placement import make_dtensor
 

@@ -1,4 +1,5 @@
-"""torch side of the neutral checkpoint (``ragged.save_neutral_checkpoint``): state dicts <-> full tensors.
+"""torch side of the neutral checkpoint (``ragged.checkpoint.save_neutral_checkpoint``): state dicts <-> full
+tensors.
 
 Saving takes a module or a state dict of plain tensors or DTensors (any placement, RaggedShard included),
 gathers DTensors with ``full_tensor()`` and stores every tensor whole, bit for bit: dtypes numpy lacks
@@ -21,7 +22,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import ragged
-from ragged import Layout, StoredTensor
+import ragged.checkpoint
+from ragged import Layout
+from ragged.checkpoint import StoredTensor
 
 # torch dtypes that numpy cannot hold: (name, same-width integer dtype in torch, and in numpy).
 _BITS_DTYPES = {
@@ -56,14 +59,14 @@ def save_neutral_checkpoint(path: str | os.PathLike, state: nn.Module | Mapping[
     With a process group, every rank must call it (``full_tensor`` is a collective); rank 0 writes.
 
     Raises:
-        ragged.CheckpointError: as ``ragged.save_neutral_checkpoint``.
+        ragged.checkpoint.CheckpointError: as ``ragged.checkpoint.save_neutral_checkpoint``.
     """
     sd = state.state_dict() if isinstance(state, nn.Module) else state
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
     if dist.is_initialized() and dist.get_rank() != 0:
         return Path(path)
     tensors = {k: _to_stored(v) for k, v in full.items()}
-    return ragged.save_neutral_checkpoint(path, tensors, layouts=layouts,
+    return ragged.checkpoint.save_neutral_checkpoint(path, tensors, layouts=layouts,
                                           meta={"framework": "torch", **(meta or {})}, overwrite=overwrite)
 
 
@@ -75,10 +78,10 @@ def load_neutral_checkpoint(path: str | os.PathLike,
         The full tensors (CPU, stored dtypes).
 
     Raises:
-        ragged.CheckpointError: a malformed checkpoint.
+        ragged.checkpoint.CheckpointError: a malformed checkpoint.
         RuntimeError: from ``load_state_dict`` when the checkpoint's names or shapes differ from the module's.
     """
-    full = {k: _from_stored(v) for k, v in ragged.load_neutral_checkpoint(path).tensors.items()}
+    full = {k: _from_stored(v) for k, v in ragged.checkpoint.load_neutral_checkpoint(path).tensors.items()}
     if module is not None:
         current = module.state_dict()
         sd = {}

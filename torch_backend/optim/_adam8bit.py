@@ -1,14 +1,15 @@
 """8-bit blockwise AdamW whose quantization tiles are 32x32 tiles kept whole on one device.
 
-The math is plain functions over flat local tensors; ``Adam8bit`` is a thin ``torch.optim.Optimizer``
-shell that owns the state. Blocks come from the core (``ragged.quant_tile``, ``ragged.check_tiles_local``):
+The math is plain functions over flat local tensors; ``Adam8bit`` is a thin ``torch.optim.Optimizer`` shell
+that owns the state. Blocks come from the core (``ragged.quant.quant_tile``,
+``ragged.quant.check_tiles_local``):
 32x32 tiles of matrices the tile divides, one row of other matrices, one element of 1-D tensors (whose
 state so stays at full precision). A local slice is whole bands of blocks, so ``to_tiles`` is a reshape
 + permute of the local tensor into ``(blocks, block numel)`` in the core's block order, and each device
 quantizes its own blocks with no communication.
 
 Quantization (per block, state stored in block order) uses the core's dynamic codebooks
-(``ragged.codebook``, the same table as the JAX ``adamw8bit``): one fp32 absmax scale per block and a
+(``ragged.quant.codebook``, the same table as the JAX ``adamw8bit``): one fp32 absmax scale per block and a
 uint8 code per element, the nearest entry of
 
 - ``SIGNED`` for the first moment ``m``;
@@ -29,7 +30,8 @@ import numpy as np
 import torch
 
 import ragged
-from ragged.codebook import BUCKET_SHIFT, SIGNED, UNSIGNED
+import ragged.quant
+from ragged.quant.codebook import BUCKET_SHIFT, SIGNED, UNSIGNED
 from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
 
 Tile = tuple[int, int]
@@ -57,7 +59,7 @@ def quantize(x: torch.Tensor, book: DeviceBook) -> tuple[torch.Tensor, torch.Ten
     """``(blocks, n)`` fp32 -> uint8 codes (nearest ``book`` entry of ``x / absmax``) and the absmax scales.
 
     The code is the number of thresholds ``<= x / absmax``, read from the codebook's buckets (one table
-    look-up and one comparison per element, ``ragged.codebook``). An all-zero block has scale 0 and the
+    look-up and one comparison per element, ``ragged.quant.codebook``). An all-zero block has scale 0 and the
     code of the entry 0.
     """
     scale = x.abs().amax(dim=1)
@@ -101,15 +103,16 @@ def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ----- blocks of a local slice -------------------------------------------------------------------
 def _grid(shape: tuple[int, ...], tile: Tile) -> tuple[int, int, int]:
     """``(block rows, blocks per band, block cols)`` of the core's ``quant_tile``."""
-    r, c = ragged.quant_tile(shape, tile)
+    r, c = ragged.quant.quant_tile(shape, tile)
     width = shape[-1] if len(shape) >= 2 else 1
     return r, width // c, c
 
 
 def to_tiles(flat: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
-    """A local flat slice of whole bands (``ragged.check_tiles_local``) -> ``(blocks, block numel)``.
+    """A local flat slice of whole bands (``ragged.quant.check_tiles_local``) -> ``(blocks, block numel)``.
 
-    Blocks come out in the core's order (``ragged.tile_ids``): bands top to bottom, blocks left to right.
+    Blocks come out in the core's order (``ragged.quant.tile_ids``): bands top to bottom, blocks left to
+    right.
     """
     r, per_band, c = _grid(shape, tile)
     return flat.reshape(-1, r, per_band, c).permute(0, 2, 1, 3).reshape(-1, r * c)
@@ -174,7 +177,7 @@ class Adam8bit(ParamwiseOptimizer):
         tile: the quantization tile ``(R, C)``.
 
     Raises:
-        ragged.TileError: a placement that cuts a quantization tile (e.g. an element-granularity layout
+        ragged.quant.TileError: a placement that cuts a quantization tile (e.g. an element-granularity layout
             of a matrix), raised at construction on every rank, naming the parameter.
 
     Example:
@@ -182,11 +185,11 @@ class Adam8bit(ParamwiseOptimizer):
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, tile: Tile = ragged.TILE) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, tile: Tile = ragged.quant.TILE) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tile=tile))
         for p, name, group in named_params(self):
             _, ranges = local_slice(p, name)
-            ragged.check_tiles_local(tuple(p.shape), ranges, name, group["tile"])
+            ragged.quant.check_tiles_local(tuple(p.shape), ranges, name, group["tile"])
 
     def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
         shape, tile = tuple(p.shape), group["tile"]

@@ -3,18 +3,18 @@
 For each 2-D parameter: the momentum update runs on the local shard; the (Nesterov) momentum goes to
 ``RaggedShard.whole_on(root)`` (a gather), Newton-Schulz orthogonalizes it on the root only (the other
 devices hold nothing and skip it), and the result goes back to the parameter's placement (a scatter)
-and is applied. Roots are chosen once by the core's load balancing (``ragged.assign_roots`` over
-``ragged.newton_schulz_flops``), the same way on every device. With ``max_imbalance`` (max / mean FLOPs
-per device; opt-in) the matrices that stop it are *split* (``ragged.assign_groups``): a group of ``g``
+and is applied. Roots are chosen once by the core's load balancing (``ragged.muon.assign_ns_devices`` over
+``ragged.muon.newton_schulz_flops``), the same way on every device. With ``max_imbalance`` (max / mean FLOPs
+per device; opt-in) the matrices that stop it are *split* (``ragged.muon.assign_groups``): a group of ``g``
 devices each gets ``rows / g`` rows (``_muon_split``) and runs ``1/g`` of its Newton-Schulz, talking over a
 torch sub-group of the members. Plain tensors (single process) and replicated DTensors run Newton-Schulz
 locally.
 
 Two schedules give the same bits. Sequential (``overlap=False``): each matrix is gathered,
 orthogonalized and scattered in turn (two ``DTensor.redistribute`` calls). Overlapped (default): the
-matrices go in the core's root buckets (``ragged.root_buckets``: the ``j``-th matrix of every root),
+matrices go in the core's root buckets (``ragged.muon.ns_device_buckets``: the ``j``-th matrix of every root),
 each bucket's gathers are one asynchronous ``all_to_all`` (the core's plan over the concatenated
-holdings, ``ragged.bucket_holdings``), and so are its scatters; while a device orthogonalizes its matrix
+holdings, ``ragged.muon.bucket_holdings``), and so are its scatters; while a device orthogonalizes its matrix
 of bucket ``j``, the gathers of the next ``in_flight`` buckets and the scatters of the last ``in_flight``
 are in flight (on CUDA on a side stream of the parameter's device; on CPU on the backend's thread).
 Split matrices run after them in both schedules, in their own sequential path: one gather of all of them,
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import ragged
+import ragged.muon
 from torch_backend.optim._adam8bit import adam_direction
 from torch_backend.optim._muon_split import new_subgroups, split_newton_schulz, split_placement
 from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
@@ -45,17 +46,17 @@ from torch_backend.placement import RaggedShard, make_dtensor, ragged_mesh_dim, 
 
 Finish = Callable[[], torch.Tensor]  # waits for an issued exchange and returns what arrived
 
-def newton_schulz(g: torch.Tensor, steps: int = ragged.NS_STEPS, eps: float = 1e-7,
+def newton_schulz(g: torch.Tensor, steps: int = ragged.muon.NS_STEPS, eps: float = 1e-7,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximately orthogonalize a matrix: 5 quintic steps on ``X / ||X||_F``, computed in ``dtype``.
 
-    Each step maps the singular values by ``p(s) = a s + b s^3 + c s^5`` (``ragged.NS_COEFFS``) and keeps
+    Each step maps the singular values by ``p(s) = a s + b s^3 + c s^5`` (``ragged.muon.NS_COEFFS``) and keeps
     the singular vectors, so the result is ``U p^steps(S / ||G||_F) V^T``: close to the polar factor
     ``U V^T``, with singular values in roughly [0.7, 1.2]. Works on the wide orientation (transposed when
     rows > cols) so ``X X^T`` is the smaller Gram matrix. Returns fp32 (bf16 ``dtype`` halves the
     matmul cost on accelerators at a stated tolerance, see docs/optimizers.md).
     """
-    a, b, c = ragged.NS_COEFFS
+    a, b, c = ragged.muon.NS_COEFFS
     x = g.to(dtype)
     tall = x.shape[0] > x.shape[1]
     if tall:
@@ -99,9 +100,10 @@ class _Bucket:
         shapes = [tuple(q.shape) for q in params]
         placements = [q.placements[dim].core for q in params]
         numels = [math.prod(s) for s in shapes]
-        pieces = ragged.bucket_holdings([ragged.ragged_holdings(q, s) for q, s in zip(placements, shapes)],
-                                        numels)
-        held = ragged.bucket_holdings([ragged.ragged_holdings(t, s) for t, s in zip(targets, shapes)], numels)
+        pieces = ragged.muon.bucket_holdings(
+            [ragged.ragged_holdings(q, s) for q, s in zip(placements, shapes)], numels)
+        held = ragged.muon.bucket_holdings([ragged.ragged_holdings(t, s) for t, s in zip(targets, shapes)],
+                                           numels)
         self.gather_plan, self.scatter_plan = ragged.transfers(pieces, held), ragged.transfers(held, pieces)
         self.local_numels = [q.local_numel(s, self.rank) for q, s in zip(placements, shapes)]
         self.held_numels = [t.local_numel(s, self.rank) for t, s in zip(targets, shapes)]
@@ -135,12 +137,12 @@ class Muon(ParamwiseOptimizer):
         in_flight: buckets whose gathers (and, separately, scatters) may be in flight while a device
             orthogonalizes; a device then holds at most ``2 * in_flight + 1`` whole matrices.
         ns_dtype: the dtype Newton-Schulz computes in (``torch.bfloat16`` for the fast path).
-        max_imbalance: ``None``: one root per matrix (``ragged.assign_roots``). A target max / mean of
-            per-device Newton-Schulz FLOPs: the matrices that stop it are split over groups of devices
-            (``ragged.assign_groups``; the others keep one root). Splitting balances the FLOPs (llama3-8b's
-            layers at 256 devices: 1.057 instead of 2.11) but adds collectives inside each group at every
-            Newton-Schulz step (``ragged.split_newton_schulz_bytes``), so it is opt-in, as in JAX's
-            ``muon_plan``.
+        max_imbalance: ``None``: one root per matrix (``ragged.muon.assign_ns_devices``). A target max /
+            mean of per-device Newton-Schulz FLOPs: the matrices that stop it are split over groups of
+            devices (``ragged.muon.assign_groups``; the others keep one root). Splitting balances the FLOPs
+            (llama3-8b's layers at 256 devices: 1.057 instead of 2.11) but adds collectives inside each
+            group at every Newton-Schulz step (``ragged.muon.split_newton_schulz_bytes``), so it is opt-in,
+            as in JAX's ``muon_plan``.
 
     Raises:
         ragged.PlacementError: a DTensor placement other than RaggedShard / Replicate, or matrices sharded
@@ -175,8 +177,9 @@ class Muon(ParamwiseOptimizer):
             )
         world = worlds[0] if worlds else 1
         shapes = [tuple(p.shape) for p in matrices]
-        groups = ragged.assign_groups(shapes, world, max_imbalance=max_imbalance)  # checks max_imbalance >= 1
-        self._load = ragged.group_load(shapes, groups, world)  # also checks that every g divides its matrix
+        # assign_groups checks max_imbalance >= 1, group_load that every g divides its matrix
+        groups = ragged.muon.assign_groups(shapes, world, max_imbalance=max_imbalance)
+        self._load = ragged.muon.group_load(shapes, groups, world)
         self._groups = {id(p): devices for p, devices in zip(matrices, groups)}
         self._subgroups = self._new_subgroups(matrices, names, world)
         self._buckets: dict[tuple, Any] = {}  # the plans of one set of matrices, built once
@@ -201,7 +204,7 @@ class Muon(ParamwiseOptimizer):
 
     def newton_schulz_load(self) -> np.ndarray:
         """Newton-Schulz matmul FLOPs each device of the sharding mesh dim runs per step (int64, one entry per
-        device): ``ragged.group_load`` of this optimizer's assignment, each member of a group of ``g``
+        device): ``ragged.muon.group_load`` of this optimizer's assignment, each member of a group of ``g``
         running ``1/g`` of its matrix. ``max / mean`` is the step's load imbalance."""
         return self._load.copy()
 
@@ -245,7 +248,7 @@ class Muon(ParamwiseOptimizer):
         """Bucketed gathers, Newton-Schulz and scatters of matrices on one mesh dim, ``in_flight`` ahead."""
         key = tuple(id(p) for p, _, _ in items)
         if key not in self._buckets:
-            order = ragged.root_buckets([self.root(p) for p, _, _ in items])
+            order = ragged.muon.ns_device_buckets([self.root(p) for p, _, _ in items])
             world = _ragged_world(items[0][0])
             self._buckets[key] = [
                 (_Bucket([items[k][0] for k in b], [ragged.RaggedShard.whole_on(self.root(items[k][0]), world)
@@ -321,7 +324,7 @@ class Muon(ParamwiseOptimizer):
     def _apply(self, p: torch.Tensor, group: dict[str, Any], ortho: torch.Tensor) -> None:
         local, _ = local_slice(p, "param")
         local.mul_(1 - group["lr"] * group["weight_decay"])
-        local.add_(ortho.to(local.dtype), alpha=-group["lr"] * ragged.muon_scale(tuple(p.shape)))
+        local.add_(ortho.to(local.dtype), alpha=-group["lr"] * ragged.muon.muon_scale(tuple(p.shape)))
 
     def _adamw(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
         local, _ = local_slice(p, name)

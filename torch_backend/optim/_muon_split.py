@@ -1,6 +1,7 @@
-"""Split Newton-Schulz on torch: one matrix orthogonalized by a group of devices (``ragged.assign_groups``).
+"""Split Newton-Schulz on torch: one matrix orthogonalized by a group of devices
+(``ragged.muon.assign_groups``).
 
-The scheme is the core's (``ragged.split_newton_schulz_reference``), on the wide orientation ``Xw``
+The scheme is the core's (``ragged.muon.split_newton_schulz_reference``), on the wide orientation ``Xw``
 (``m x n``, ``m <= n``) of a matrix whose ``g`` members each hold a column block ``Xw_i`` (``m x n/g``):
 one all-reduce of the partial squared norms, then per step ``A = sum_i Xw_i Xw_i^T`` (an all-reduce of
 ``m x m``), member ``i``'s row block ``B_i = b A_i + c A_i A`` (all-gathered into ``B``) and
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ragged
+import ragged.muon
 from torch_backend._collectives import all_gather, all_reduce, all_to_all
 
 Devices = tuple[int, ...]  # a sorted group of device indices on the sharding mesh dim
@@ -56,7 +58,7 @@ def new_subgroups(groups: Sequence[Devices],
 
 
 def split_newton_schulz(rows: torch.Tensor, shape: tuple[int, int], group: dist.ProcessGroup,
-                        steps: int = ragged.NS_STEPS, eps: float = 1e-7,
+                        steps: int = ragged.muon.NS_STEPS, eps: float = 1e-7,
                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """This member's rows of Newton-Schulz of the ``shape`` matrix whose row blocks the group holds.
 
@@ -75,12 +77,12 @@ def split_newton_schulz(rows: torch.Tensor, shape: tuple[int, int], group: dist.
         Both before any collective (the first on every member alike).
     """
     g, i = dist.get_world_size(group), dist.get_rank(group)
-    ragged.split_newton_schulz_flops(shape, g)  # raises PlanningError unless g divides both sides
+    ragged.muon.split_newton_schulz_flops(shape, g)  # raises PlanningError unless g divides both sides
     if rows.numel() != shape[0] // g * shape[1]:
         raise ValueError(f"split_newton_schulz: member {i} of {g} holds {rows.numel()} elements of the "
                          f"{tuple(shape)} matrix; its row block has {shape[0] // g} x {shape[1]}")
     unit = f"muon split {tuple(shape)}"
-    a, b, c = ragged.NS_COEFFS
+    a, b, c = ragged.muon.NS_COEFFS
     tall = shape[0] > shape[1]
     block = rows.view(shape[0] // g, shape[1])
     x = (block.T if tall else _rows_to_columns(block, g, group, unit)).to(dtype)  # (m, n/g)

@@ -1,10 +1,11 @@
 """Splitting one matrix's Newton-Schulz over a small group of devices: the plan (both runtimes run it).
 
-Whole-matrix roots (``assign_roots``) cannot balance a step whose largest matrix costs more than the mean
-per device: the device that gets it runs ``max_cost``, so ``max / mean >= max_cost / mean`` for *every*
-one-root-per-matrix assignment (llama3-8b's decoder layers at 256 devices: 224 matrices, and one FFN
-matrix alone is 2.11x the mean). Getting under that bound needs one matrix's Newton-Schulz on several
-devices. The scheme, on the wide orientation ``X`` (``m x n``, ``m <= n``), ``g`` dividing ``m`` and ``n``:
+Whole-matrix NS devices (``assign_ns_devices``) cannot balance a step whose largest matrix costs more than
+the mean per device: the device that gets it runs ``max_cost``, so ``max / mean >= max_cost / mean`` for
+*every* one-NS-device-per-matrix assignment (llama3-8b's decoder layers at 256 devices: 224 matrices, and
+one FFN matrix alone is 2.11x the mean). Getting under that bound needs one matrix's Newton-Schulz on
+several devices. The scheme, on the wide orientation ``X`` (``m x n``, ``m <= n``), ``g`` dividing ``m``
+and ``n``:
 
 - member ``i`` of the group holds the column block ``X_i`` (``m x n/g``); ``||X||_F^2`` is one scalar
   all-reduce (each member sends its partial sum);
@@ -18,9 +19,9 @@ all-reduce (``2 (g-1)/g m^2`` elements as reduce-scatter + all-gather) and the a
 checks it against the one-device result and counts its FLOPs and bytes).
 
 ``assign_groups`` decides which matrices split and over how many devices: first plain LPT (no split; the
-runtimes' ``assign_roots``); while ``max/mean`` is above the target, every matrix whose cost exceeds a cap
-(the mean per device, then half of it, ...) is split over the smallest ``g`` that brings its pieces under
-the cap, and the pieces are placed greedily largest-first, each matrix's ``g`` pieces on the ``g``
+runtimes' ``assign_ns_devices``); while ``max/mean`` is above the target, every matrix whose cost exceeds
+a cap (the mean per device, then half of it, ...) is split over the smallest ``g`` that brings its pieces
+under the cap, and the pieces are placed greedily largest-first, each matrix's ``g`` pieces on the ``g``
 least-loaded distinct devices. Deterministic: ties go to the lower index.
 """
 
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ragged._errors import PlanningError
-from ragged._muon_roots import NS_COEFFS, NS_STEPS, Shape, assign_roots, newton_schulz_flops
+from ragged.muon._ns_devices import NS_COEFFS, NS_STEPS, Shape, assign_ns_devices, newton_schulz_flops
 
 
 def _wide(shape: Shape) -> tuple[int, int]:
@@ -57,7 +58,7 @@ def split_newton_schulz_flops(shape: Shape, group: int, steps: int = NS_STEPS) -
 
 def split_newton_schulz_bytes(shape: Shape, group: int, steps: int = NS_STEPS, itemsize: int = 4) -> int:
     """Bytes each member receives inside the group during Newton-Schulz (not the gather and scatter of
-    ``X``, which move ``1/group`` of the matrix per member, as whole-matrix roots move all of it to one).
+    ``X``, which move ``1/group`` of the matrix per member, as whole-matrix NS devices move all of it to one).
 
     Per iteration: the all-reduce of ``A`` (``2 (g-1)/g m^2`` elements) and the all-gather of ``B``
     (``(g-1)/g m^2``); once, the squared norm's partial sums from the other members (``g - 1`` elements).
@@ -141,13 +142,14 @@ def assign_groups(shapes: Sequence[Shape], world_size: int, *,
     Args:
         shapes: the 2-D matrices, in parameter order.
         world_size: the number of devices.
-        max_imbalance: the target ``max / mean`` of per-device FLOPs (``group_load``); ``None``: one root
-            per matrix (``assign_roots``), never split (the runtimes' default).
+        max_imbalance: the target ``max / mean`` of per-device FLOPs (``group_load``); ``None``: one NS
+            device per matrix (``assign_ns_devices``), never split (the runtimes' default).
 
     Returns:
-        Per matrix, the sorted devices of its group. With no split needed these are ``assign_roots``'s
-        roots; otherwise the first cap (mean per device, halved until it is reached or no matrix can split
-        further) whose placement meets ``max_imbalance``, or the most balanced one tried.
+        Per matrix, the sorted devices of its group. With no split needed these are
+        ``assign_ns_devices``'s NS devices; otherwise the first cap (mean per device, halved until it is
+        reached or no matrix can split further) whose placement meets ``max_imbalance``, or the most
+        balanced one tried.
 
     Raises:
         PlanningError: ``world_size < 1``, ``max_imbalance < 1`` or a shape that is not 2-D.
@@ -158,8 +160,8 @@ def assign_groups(shapes: Sequence[Shape], world_size: int, *,
         raise PlanningError(f"assign_groups: max_imbalance={max_imbalance} is a max / mean ratio, "
                             "it must be >= 1")
     costs = [newton_schulz_flops(tuple(s)) for s in shapes]
-    if max_imbalance is None:  # whole matrices: one root each, never split
-        return tuple((root,) for root in assign_roots(costs, world_size))
+    if max_imbalance is None:  # whole matrices: one NS device each, never split
+        return tuple((device,) for device in assign_ns_devices(costs, world_size))
     options = [[d for d in _divisors(math.gcd(*_wide(tuple(s)))) if d <= world_size] for s in shapes]
     mean = sum(costs) / world_size
 

@@ -2,8 +2,10 @@
 
 import pytest
 
-from ragged import Granularity, TensorSpec, baseline_layouts, model_shapes, plan
-from ragged._sweep import fit_granularity, sweep_model, sweep_units
+from ragged import Granularity, TensorSpec, plan
+from ragged.bench import baseline_layouts
+from ragged.bench._sweep import fit_granularity, sweep_model, sweep_units
+from ragged.models import model_shapes
 
 
 @pytest.mark.parametrize("shape, wanted, expect", [

@@ -15,19 +15,19 @@ copy. The same unit can be drawn three ways, so the differences are visible rath
 Block edges (the granularity's blocks, where a cut is allowed) and tile edges (8-bit Adam's
 quantization tiles, ``quant_tile``: bands of ``32 x cols`` for tiled matrices) are recorded where
 they are coarse enough to see; a ``cut`` is a device boundary strictly inside a block. The renderers
-(``Picture.svg``, ``Picture.__rich__``, ``experiments/layout_png.py``) only draw this data.
+(``Picture.svg``, ``Picture.__rich__`` in ``_picture``; ``experiments/layout_png.py``) only draw
+this data.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ragged._baselines import count_split_blocks
 from ragged._layout import Layout, TensorSlot, ceil_to
-from ragged._tiles import quant_tile
+from ragged.quant._tiles import quant_tile
 
 METHODS = ("ragged", "fsdp2", "gspmd")
 MAX_EDGES = 16  # per interval: finer blocks would paint the row solid (and bloat the SVG): left out
@@ -113,29 +113,6 @@ class LayoutDrawing:
         return out
 
 
-@dataclass(frozen=True)
-class Picture:
-    """Drawings shown one under the other: Jupyter shows it as SVG, a rich console as colored rows."""
-
-    drawings: tuple[LayoutDrawing, ...]
-
-    def __repr__(self) -> str:
-        return "\n".join(f"{d.title}: {d.caption}" for d in self.drawings)
-
-    def svg(self, width: int = 880) -> str:
-        from ragged._svg import picture_svg
-
-        return picture_svg(self.drawings, width)
-
-    def _repr_svg_(self) -> str:
-        return self.svg()
-
-    def __rich__(self):  # noqa: ANN204 (a rich renderable)
-        from ragged._rich_picture import picture_renderable
-
-        return picture_renderable(self.drawings)
-
-
 def draw_layout(layout: Layout, method: str = "ragged") -> LayoutDrawing:
     """Draw one unit's ``Layout`` as planned (``ragged``), or its tensors under ``fsdp2`` or ``gspmd``.
 
@@ -170,31 +147,6 @@ def draw_layout(layout: Layout, method: str = "ragged") -> LayoutDrawing:
             shard += size
         shard = ceil_to(max(shard, 1), layout.align)
     return _assemble(layout, method, shard, cut, rows)
-
-
-def draw_side_by_side(layout: Layout) -> Picture:
-    """The same unit as planned, under FSDP2's per-parameter chunking and GSPMD's per-tensor sharding."""
-    return Picture(tuple(draw_layout(layout, m) for m in METHODS))
-
-
-def draw_plan(layouts: Iterable[Layout], method: str = "ragged") -> Picture:
-    """A whole-model plan: one drawing per distinct unit (repeats of a layer are drawn once).
-
-    Units are the same when their shapes, blocks and offsets are; a repeated unit's drawing is titled
-    after its first unit with the repeat count, e.g. ``layers.0 (x32: layers.0 .. layers.31)``.
-    """
-    groups: dict[tuple, list[Layout]] = {}
-    for layout in layouts:
-        key = (layout.world_size, layout.shard_size,
-               tuple((t.shape, t.block, t.offset) for t in layout.tensors))
-        groups.setdefault(key, []).append(layout)
-    drawings = []
-    for same in groups.values():
-        d = draw_layout(same[0], method)
-        if len(same) > 1:
-            d = _retitled(d, f"{same[0].name} (x{len(same)}: {same[0].name} .. {same[-1].name})")
-        drawings.append(d)
-    return Picture(tuple(drawings))
 
 
 # ----- the two per-parameter baselines ------------------------------------------------------------
@@ -272,10 +224,3 @@ def _tile_band(t: TensorSlot) -> int:
     """Elements in one band of 8-bit Adam's quantization tiles (tile rows x columns; 1 for vectors)."""
     rows, _ = quant_tile(t.shape)
     return rows * t.shape[-1] if len(t.shape) >= 2 else 1
-
-
-def _retitled(d: LayoutDrawing, unit: str) -> LayoutDrawing:
-    from dataclasses import replace
-
-    return replace(d, unit=unit)
-

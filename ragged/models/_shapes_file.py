@@ -14,19 +14,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from ragged._errors import RaggedError
 from ragged._granularity import Granularity, granularity_for
 from ragged._layout import TensorSpec
-from ragged._presets import ModelShapes, model_shapes
-
-
-class UnitSpecs(NamedTuple):
-    """One FSDP unit ready to plan: its name and its tensors in model order."""
-
-    name: str
-    tensors: tuple[TensorSpec, ...]
+from ragged._units import ModelShapes, UnitSpecs
+from ragged.models._presets import model_shapes
 
 
 def model_units(model: str | ModelShapes, matrix: Granularity | int | str = "rows:1"

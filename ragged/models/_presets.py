@@ -7,35 +7,11 @@ Weights are ``[out, in]`` like ``nn.Linear``. Tensor names are the FQNs that the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ragged._errors import RaggedError
-
-Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class UnitShapes:
-    """The tensors of one FSDP unit: ``(fqn, shape)`` pairs in model order."""
-
-    name: str
-    tensors: tuple[tuple[str, Shape], ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(s) for _, s in self.tensors)
-
-
-@dataclass(frozen=True)
-class ModelShapes:
-    name: str
-    units: tuple[UnitShapes, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(u.numel for u in self.units)
+from ragged._units import ModelShapes, UnitShapes
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from ragged._baselines import BaselineLayout, allgather_bytes, baseline_layouts
 from ragged._granularity import Granularity, granularity_for
 from ragged._layout import Layout, TensorSpec
 from ragged._planner import plan
-from ragged._presets import model_shapes
-from ragged._shapes_file import UnitSpecs
+from ragged._units import UnitSpecs
+from ragged.models._presets import model_shapes
 
 SWEEP_GRANULARITIES = ("rows:1", "rows:16", "rows:128", "tiles:32x32")
 SWEEP_WORLD_SIZES = tuple(2**k for k in range(3, 11))  # 8 .. 1024

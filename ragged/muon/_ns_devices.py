@@ -1,14 +1,14 @@
 """Which device runs Newton-Schulz for each matrix in distributed Muon, what that costs, in what order.
 
-Muon orthogonalizes every matrix's momentum on one *root* device. The roots are chosen once, the same
-way on every device, by greedy largest-first assignment (LPT) over the exact Newton-Schulz FLOPs:
-matrices in decreasing cost, each to the least-loaded device so far, ties broken by the lower index, so
-the result is deterministic. LPT's makespan is at most the optimum plus the largest single cost. No
-one-root-per-matrix assignment gets below ``max(costs) / mean`` in ``max / mean``: the largest matrix's
+Muon orthogonalizes every matrix's momentum on one device, its *NS device*. The NS devices are chosen once,
+the same way on every device, by greedy largest-first assignment (LPT) over the exact Newton-Schulz FLOPs:
+matrices in decreasing cost, each to the least-loaded device so far, ties broken by the lower index, so the
+result is deterministic. LPT's makespan is at most the optimum plus the largest single cost. No
+one-NS-device-per-matrix assignment gets below ``max(costs) / mean`` in ``max / mean``: the largest matrix's
 device runs at least that (llama3-8b's layers at 256 devices: 2.11, which LPT reaches). Below it, a matrix's
-Newton-Schulz must split over several devices: ``ragged.assign_groups`` (a plan only, ``_muon_split``).
+Newton-Schulz must split over several devices: ``ragged.muon.assign_groups`` (a plan only, ``_split``).
 
-The overlapped schedule works in *buckets*: bucket ``j`` holds the ``j``-th matrix of every root, so in
+The overlapped schedule works in *buckets*: bucket ``j`` holds the ``j``-th matrix of every NS device, so in
 one bucket each device orthogonalizes at most one matrix while the others do the same, and a bucket's
 gathers (and scatters) are one exchange: the holdings of its matrices, concatenated
 (``bucket_holdings``), go through one ``ragged.transfers`` plan.
@@ -48,7 +48,7 @@ def newton_schulz_flops(shape: Shape, steps: int = NS_STEPS) -> int:
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def assign_roots(costs: Sequence[int], world_size: int) -> tuple[int, ...]:
+def assign_ns_devices(costs: Sequence[int], world_size: int) -> tuple[int, ...]:
     """Greedy largest-first assignment of jobs to the least-loaded device.
 
     Args:
@@ -56,52 +56,52 @@ def assign_roots(costs: Sequence[int], world_size: int) -> tuple[int, ...]:
         world_size: the number of devices.
 
     Returns:
-        The root device of each matrix, in the order of ``costs``.
+        The NS device of each matrix, in the order of ``costs``.
 
     Raises:
         PlanningError: ``world_size < 1`` or a negative cost.
     """
     if world_size < 1:
-        raise PlanningError(f"assign_roots: world_size {world_size} must be >= 1")
+        raise PlanningError(f"assign_ns_devices: world_size {world_size} must be >= 1")
     bad = [i for i, c in enumerate(costs) if c < 0]
     if bad:
-        raise PlanningError(f"assign_roots: costs at positions {bad} are negative")
+        raise PlanningError(f"assign_ns_devices: costs at positions {bad} are negative")
     loads = [(0, rank) for rank in range(world_size)]  # (load, rank): the heap pops the lower rank on ties
-    roots = [0] * len(costs)
+    ns_devices = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         load, rank = heapq.heappop(loads)
-        roots[i] = rank
+        ns_devices[i] = rank
         heapq.heappush(loads, (load + costs[i], rank))
-    return tuple(roots)
+    return tuple(ns_devices)
 
 
-def newton_schulz_load(shapes: Sequence[Shape], roots: Sequence[int], world_size: int) -> np.ndarray:
+def newton_schulz_load(shapes: Sequence[Shape], ns_devices: Sequence[int], world_size: int) -> np.ndarray:
     """Newton-Schulz FLOPs each device runs: ``out[d]`` sums ``newton_schulz_flops`` of its matrices.
 
     Returns:
         ``(world_size,)`` int64; ``out.max() / out.mean()`` is the load imbalance of the step.
     """
-    if len(shapes) != len(roots):
-        raise PlanningError(f"newton_schulz_load: {len(shapes)} shapes but {len(roots)} roots")
+    if len(shapes) != len(ns_devices):
+        raise PlanningError(f"newton_schulz_load: {len(shapes)} shapes but {len(ns_devices)} NS devices")
     out = np.zeros(world_size, np.int64)
-    for shape, root in zip(shapes, roots):
-        if not 0 <= root < world_size:
-            raise PlanningError(f"newton_schulz_load: root {root} is outside the {world_size} devices")
-        out[root] += newton_schulz_flops(tuple(shape))
+    for shape, device in zip(shapes, ns_devices):
+        if not 0 <= device < world_size:
+            raise PlanningError(f"newton_schulz_load: NS device {device} is outside the {world_size} devices")
+        out[device] += newton_schulz_flops(tuple(shape))
     return out
 
 
-def root_buckets(roots: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """Matrix indices grouped so that bucket ``j`` holds the ``j``-th matrix (in order) of every root.
+def ns_device_buckets(ns_devices: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Matrix indices grouped so that bucket ``j`` holds the ``j``-th matrix (in order) of every NS device.
 
-    Every device is root of at most one matrix per bucket; the buckets are in order and each lists its
-    matrices in ascending index, so every device derives the same schedule.
+    Every device is the NS device of at most one matrix per bucket; the buckets are in order and each
+    lists its matrices in ascending index, so every device derives the same schedule.
     """
     seen: dict[int, int] = {}
     buckets: list[list[int]] = []
-    for i, root in enumerate(roots):
-        j = seen.get(root, 0)
-        seen[root] = j + 1
+    for i, device in enumerate(ns_devices):
+        j = seen.get(device, 0)
+        seen[device] = j + 1
         if j == len(buckets):
             buckets.append([])
         buckets[j].append(i)

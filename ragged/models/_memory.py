@@ -31,8 +31,9 @@ from ragged._errors import RaggedError
 from ragged._layout import TensorSpec
 from ragged._model_plan import plan_model
 from ragged._planner import plan
-from ragged._presets import LLAMA_CONFIGS, LlamaConfig, ModelShapes, llama_shapes
-from ragged._tiles import tile_granularity
+from ragged._units import ModelShapes
+from ragged.models._presets import LLAMA_CONFIGS, LlamaConfig, llama_shapes
+from ragged.quant._tiles import tile_granularity
 
 _TRAINED: dict[str, tuple[LlamaConfig, str]] = {
     **{name: (c, "the preset's llama") for name, c in LLAMA_CONFIGS.items()},

@@ -27,9 +27,9 @@ from ragged._baselines import allgather_bytes
 from ragged._errors import RaggedError
 from ragged._granularity import Granularity
 from ragged._planner import plan
-from ragged._presets import ModelShapes
-from ragged._shapes_file import UnitSpecs, model_units
-from ragged._sweep import distinct_units
+from ragged._units import ModelShapes, UnitSpecs
+from ragged.bench._sweep import distinct_units
+from ragged.models._shapes_file import model_units
 
 LAYER_PREFIX = "layers."
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from rich.console import Group
 from rich.text import Text
 
-from ragged._drawing import LayoutDrawing
-from ragged._svg import color, shown_devices
+from ragged.viz._drawing import LayoutDrawing
+from ragged.viz._svg import color, shown_devices
 
 GLYPH = {"tensor": "█", "copy": "▓", "padding": "░"}
 

@@ -8,8 +8,12 @@ import pytest
 from rich.console import Console
 
 import ragged
-from ragged import TensorSpec, baseline_layouts, draw_layout, draw_plan, draw_side_by_side, model_shapes
-from ragged._cli import main
+import ragged.viz
+from ragged import TensorSpec
+from ragged.bench import baseline_layouts
+from ragged.cli import main
+from ragged.models import model_shapes
+from ragged.viz import draw_layout, draw_plan, draw_side_by_side
 
 CASES = [
     ([("wq", (64, 64), "rows:1"), ("w1", (176, 64), "tiles:16x16"), ("w2", (64, 176), "rows:1"),
@@ -151,12 +155,12 @@ def test_svg_elements_match_the_drawing():
         texts = [t.text for t in g.findall("s:text", ns)]
         assert drawing.caption in texts and drawing.title in texts
         assert set(drawing.tensors) <= set(texts)  # the legend
-    assert layout._repr_svg_() == ragged.Picture((draw_layout(layout),)).svg()
+    assert layout._repr_svg_() == ragged.viz.Picture((draw_layout(layout),)).svg()
 
 
 def test_large_mesh_draws_first_and_last_devices():
     layout = ragged.plan([TensorSpec("w", (256, 8), "rows:1")], world_size=64)
-    root = ET.fromstring(ragged.Picture((draw_layout(layout),)).svg())
+    root = ET.fromstring(ragged.viz.Picture((draw_layout(layout),)).svg())
     devices = {r.get("data-device") for r in root.iter("{http://www.w3.org/2000/svg}rect")} - {None}
     assert devices == {str(d) for d in [*range(8), 60, 61, 62, 63]}
 

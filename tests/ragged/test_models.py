@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from ragged import LLAMA_TINY, RaggedError, model_names, model_shapes
+from ragged import RaggedError
+from ragged.models import LLAMA_TINY, model_names, model_shapes
 
 # Published totals: Meta's Llama 3 / 3.1 model cards (8.03B, 70.55B, 405.85B), Mistral's Mixtral
 # 8x7B (46.70B), OpenAI's gpt-oss-120b model card (116.83B), DeepSeek-V3 without the MTP module

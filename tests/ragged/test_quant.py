@@ -1,16 +1,15 @@
-"""Quantization tiles (ragged._tiles) and Muon root balancing (ragged._muon_roots) against brute force."""
+"""Quantization tiles (ragged.quant) against brute force."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
 import pytest
 
 import ragged
-from ragged._muon_roots import assign_roots, newton_schulz_flops
-from ragged._tiles import (
+import ragged.quant
+from ragged.quant._tiles import (
     TileError,
     check_tiles_local,
     local_tile_ids,
@@ -48,9 +47,9 @@ def test_tile_ids_match_brute_force_on_every_band_range(shape, tile):
 
 
 def test_tile_granularity_tiles_what_the_tile_divides():
-    assert str(ragged.tile_granularity((256, 64))) == "tiles:32x32"
-    assert str(ragged.tile_granularity((176, 64))) == "rows:1"
-    assert str(ragged.tile_granularity((64,))) == "element"
+    assert str(ragged.quant.tile_granularity((256, 64))) == "tiles:32x32"
+    assert str(ragged.quant.tile_granularity((176, 64))) == "rows:1"
+    assert str(ragged.quant.tile_granularity((64,))) == "element"
 
 
 def test_untiled_matrices_have_row_blocks_and_vectors_element_blocks():
@@ -109,29 +108,3 @@ def test_piece_table_rejects_an_element_layout_that_cuts_a_tile():
     layout = ragged.plan([ragged.TensorSpec("layers.1.wq.weight", (64, 64), "element")], 3)
     with pytest.raises(TileError, match=r"layers\.1\.wq\.weight"):
         piece_table(layout)
-
-
-def _brute_makespan(costs, world):
-    return min(max(sum(c for c, r in zip(costs, roots) if r == d) for d in range(world))
-               for roots in itertools.product(range(world), repeat=len(costs)))
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_assign_roots_is_within_the_largest_cost_of_the_optimum(seed):
-    rng = np.random.default_rng(seed)
-    world = int(rng.integers(1, 5))
-    costs = [int(c) for c in rng.integers(0, 100, size=int(rng.integers(1, 8)))]
-    roots = assign_roots(costs, world)
-    assert roots == assign_roots(list(costs), world)  # deterministic
-    assert all(0 <= r < world for r in roots)
-    makespan = max(sum(c for c, r in zip(costs, roots) if r == d) for d in range(world))
-    assert makespan <= _brute_makespan(costs, world) + max(costs)
-
-
-def test_assign_roots_largest_first_to_least_loaded():
-    assert assign_roots([5, 9, 5, 1], 2) == (1, 0, 1, 0)  # 9->0, 5->1, 5->1, 1->0
-    assert assign_roots([newton_schulz_flops((64, 32)), newton_schulz_flops((32, 32))], 3) == (0, 1)
-    with pytest.raises(ragged.PlanningError, match="world_size"):
-        assign_roots([1], 0)
-    with pytest.raises(ragged.PlanningError, match="2-D"):
-        newton_schulz_flops((4, 4, 4))

@@ -13,24 +13,16 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from ragged._advise import Advice, advise
-from ragged._baselines import BASELINES
-from ragged._drawing import METHODS, Picture, draw_plan
-from ragged._errors import RaggedError
-from ragged._granularity import Granularity
-from ragged._layout import Layout
-from ragged._presets import model_names
-from ragged._shapes_file import model_units, read_shapes_file
-from ragged._sweep import (
-    SWEEP_GRANULARITIES,
-    SWEEP_MODELS,
-    SWEEP_WORLD_SIZES,
-    UnitComparison,
-    compare_units,
-    padding_sweep,
-)
+from ragged import Granularity, Layout, RaggedError
+from ragged.advise import Advice, advise
+from ragged.bench import BASELINES, SWEEP_GRANULARITIES, SWEEP_MODELS, SWEEP_WORLD_SIZES, padding_sweep
+from ragged.bench._sweep import UnitComparison, compare_units
+from ragged.models import model_names, model_units, read_shapes_file
 from ragged.simulate._cli import add_parser as add_simulate_parser
 from ragged.simulate._cli import run_advise as simulate_advise
+from ragged.viz import METHODS, Picture, draw_plan
+
+__all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

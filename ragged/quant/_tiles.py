@@ -92,7 +92,7 @@ def check_tiles_local(
             raise TileError(
                 f"{name}: device {rank} holds elements [{start}, {stop}) of shape {tuple(shape)}, which cuts "
                 f"its {rows}x{cols} quantization tiles (a device must hold whole bands of {band} "
-                f"elements); plan this tensor with granularity '{rule}' (ragged.tile_granularity)"
+                f"elements); plan this tensor with granularity '{rule}' (ragged.quant.tile_granularity)"
             )
 
 

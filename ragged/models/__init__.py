@@ -1,0 +1,44 @@
+"""Models described by their tensor shapes, before anything is allocated.
+
+- presets of public models: ``model_names``, ``model_shapes`` (a ``ModelShapes``: its ``UnitShapes``),
+  ``LlamaConfig``, ``llama_shapes``, ``LLAMA_TINY`` (the llama both runtimes train);
+- your own model: ``read_shapes_file`` / ``parse_shapes`` (JSON), ``model_units`` (a preset's units with
+  granularities resolved); both give ``UnitSpecs``;
+- estimates: ``memory_plan`` / ``MemoryPlan`` (per-device memory of a training run), ``flops_per_token``,
+  ``trained_llama`` / ``trained_model_names`` (the llama the runtimes build for a preset), ``gib``.
+
+``ModelShapes``, ``UnitShapes`` and ``UnitSpecs`` are defined in the core (``ragged/_units.py``) because
+``plan_model`` reads them.
+"""
+
+from ragged._units import ModelShapes, UnitShapes, UnitSpecs
+from ragged.models._memory import (
+    MemoryPlan,
+    flops_per_token,
+    gib,
+    memory_plan,
+    trained_llama,
+    trained_model_names,
+)
+from ragged.models._presets import LLAMA_TINY, LlamaConfig, llama_shapes, model_names, model_shapes
+from ragged.models._shapes_file import model_units, parse_shapes, read_shapes_file
+
+__all__ = [
+    "ModelShapes",
+    "UnitShapes",
+    "UnitSpecs",
+    "model_names",
+    "model_shapes",
+    "LlamaConfig",
+    "llama_shapes",
+    "LLAMA_TINY",
+    "model_units",
+    "parse_shapes",
+    "read_shapes_file",
+    "MemoryPlan",
+    "memory_plan",
+    "flops_per_token",
+    "trained_llama",
+    "trained_model_names",
+    "gib",
+]
