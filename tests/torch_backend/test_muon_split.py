@@ -212,10 +212,10 @@ def checks(rank: int, world: int) -> dict:
                 want[("all_to_all", unit)] += 2 * (p.shape[0] <= p.shape[1])  # row <-> column blocks
         got = Counter({key: c for key, c in counter.calls.items() if key[1].startswith("muon split")})
         assert got == want, (got, want)
-        whole_on = [opt.root(p) for p in matrices.values() if len(opt.ns_devices(p)) == 1]
+        whole_on = [opt.ns_device(p) for p in matrices.values() if len(opt.ns_devices(p)) == 1]
         assert counter.calls[("all_to_all", "muon gather")] == len(ragged.root_buckets(whole_on)) + 1
         with pytest.raises(ValueError, match="split over devices"):
-            opt.root(matrices["w_down"])
+            opt.ns_device(matrices["w_down"])
 
     return run_cases({"split_counts": split_counts})
 

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
 import ragged
-import torch_backend  # noqa: F401  (installs the DTensor hooks before distribute_tensor is used)
 from tests.numpy_references import assert_tracks_fp32_adamw, newton_schulz_closed_form
 from tests.torch_backend._dist import Launcher, assert_case, run_cases
 from torch_backend import RaggedShard
@@ -309,7 +308,7 @@ def checks(rank: int, world: int) -> dict:
             with CommDebugMode() as comm:
                 opt.step()
             counts = {str(op): n for op, n in comm.get_comm_counts().items()}
-            ns_devices = [opt.root(p) for p in live.values() if p.ndim == 2]
+            ns_devices = [opt.ns_device(p) for p in live.values() if p.ndim == 2]
             # sequential: one gather + one scatter per matrix; overlapped: one of each per NS-device bucket
             exchanges = matrices if not overlap else len(ragged.root_buckets(ns_devices))
             assert counts == {"c10d.alltoall_base_": 2 * exchanges}, (overlap, counts)

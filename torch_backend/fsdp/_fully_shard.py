@@ -288,7 +288,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     after forward they are freed when ``reshard_after_forward``. In backward, gradients accumulate into
     an unsharded gradient buffer; one reduce-scatter writes the local gradient shard, which the sharded
     parameters' ``.grad`` view (HSDP: then one all-reduce across replicas). The next unit is prefetched.
-    Call it bottom-up (each block, then the root), as with FSDP2.
+    Call it bottom-up (each layer, then the root), as with FSDP2.
 
     Args:
         module: a module, or a list of modules sharded as one unit (e.g. ``[model.norm, model.output]``).
