@@ -1,4 +1,4 @@
-"""RaggedShard DTensors without patches: make one from a local tensor, cut a full tensor's local piece.
+"""Small helpers for RaggedShard DTensors: make one from a local tensor, cut a full tensor's local piece.
 
 The FSDP runtime, Muon and the DTensor patches (``_dtensor_patches``) build on these. They read torch's
 private DTensor types from ``torch_backend._torch_internals`` and patch nothing.
@@ -19,6 +19,7 @@ from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
 
 
 def has_ragged(placements: Sequence[Placement]) -> bool:
+    """Whether any mesh dim holds a RaggedShard."""
     return any(isinstance(p, RaggedShard) for p in placements)
 
 
