@@ -217,3 +217,41 @@ def test_ragged_shard_works_when_torch_names_were_imported_first() -> None:
     """The patches reach torch functions imported before ``torch_backend`` (their code is rebound)."""
     _run_fresh(_IMPORTED_FIRST)
 
+
+
+# DTensor has dispatched every kind of op the patches take over (and cached its sharding decisions)
+# before the first RaggedShard: the patches installed then must still reach RaggedShard DTensors.
+_USED_FIRST = """
+import torch, torch.distributed as dist
+import torch.distributed.tensor as dtensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+mesh = init_device_mesh("cpu", (1,))
+w = torch.arange(12.0).reshape(3, 4)
+s = distribute_tensor(w, mesh, [Shard(0)])
+s.sum(1), s.amax(0), torch._foreach_norm([s]), s[0], s.sum().item(), s.redistribute(mesh, [Replicate()])
+s.copy_(distribute_tensor(w, mesh, [Shard(0)])), s.uniform_(), (s * 2).full_tensor()
+dtensor.zeros(3, 4, device_mesh=mesh, placements=[Shard(0)]), DTensor.from_local(w, mesh, [Replicate()])
+
+from torch_backend import RaggedShard
+p = RaggedShard((0,), (3,))
+x = distribute_tensor(w, mesh, [p])
+assert x.to_local().shape == (12,) and torch.equal(x.full_tensor(), w)
+assert torch.equal(x.sum(1).full_tensor(), w.sum(1)) and torch.equal(x.amax(0).full_tensor(), w.amax(0))
+assert torch.equal(torch._foreach_norm([x])[0].full_tensor(), torch._foreach_norm([w])[0])
+x.copy_(w + 1)
+assert torch.equal(x.full_tensor(), w + 1) and torch.equal(x[1].full_tensor(), w[1] + 1)
+assert x.sum().item() == float((w + 1).sum()) and torch.equal((x * 2).full_tensor(), (w + 1) * 2)
+torch.manual_seed(0)
+x.uniform_()
+torch.manual_seed(0)
+assert torch.equal(x.full_tensor(), torch.empty(3, 4).uniform_())
+assert dtensor.zeros(3, 4, device_mesh=mesh, placements=[p]).to_local().shape == (12,)
+print("ok")
+"""
+
+
+def test_ragged_shard_works_when_dtensor_ran_ops_before_the_first_ragged_shard() -> None:
+    """Patching on first use is late for a process that already ran DTensor ops: they reach it anyway."""
+    _run_fresh(_USED_FIRST)
