@@ -75,7 +75,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, book: DeviceBook) -> to
 
 def sqrt_rounded(x: torch.Tensor) -> torch.Tensor:
     """The correctly rounded float32 square root (XLA's), which torch's vectorized CPU ``sqrt`` misses in
-    the last bit for about 0.6% of inputs: numpy's on CPU, else the float64 root rounded once."""
+    the last bit for about 0.6% of inputs: numpy's on CPU, else the float64 square root rounded once."""
     if x.device.type == "cpu":
         return torch.from_numpy(np.sqrt(x.contiguous().numpy()))
     return x.double().sqrt().float()
