@@ -67,9 +67,9 @@ def torchao(m: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> tuple[t
 def linear(m: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The former linear absmax codes on 32x32 tiles: 255 levels for ``m``, 256 for ``sqrt(v)``."""
     def trip(x, levels):
-        blocks = to_tiles(x, shape, ragged.quant.TILE)
-        scale = blocks.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
-        return from_tiles(torch.round(blocks / scale * levels) / levels * scale, shape, ragged.quant.TILE)
+        tiles = to_tiles(x, shape, ragged.quant.TILE)
+        scale = tiles.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        return from_tiles(torch.round(tiles / scale * levels) / levels * scale, shape, ragged.quant.TILE)
     return trip(m, 127), trip(v.sqrt(), 255).square()
 
 

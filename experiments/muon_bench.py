@@ -4,7 +4,7 @@ Torch half (``--world-size`` gloo processes, or NCCL with ``--device cuda``): th
 llama (``CONFIG``, one unit per layer) are optimized by
 
 - ours, sequential: ``Muon(overlap=False)`` on RaggedShard DTensors (one gather + one scatter per matrix);
-- ours, overlapped: ``Muon()`` (root buckets, asynchronous all_to_all overlapping Newton-Schulz);
+- ours, overlapped: ``Muon()`` (NS-device buckets, asynchronous all_to_all overlapping Newton-Schulz);
 - the FSDP2 workaround: real ``torch.distributed.fsdp.fully_shard`` (Shard(0) DTensors); every rank
   ``full_tensor()``s every momentum, runs Newton-Schulz on every matrix and slices its rows back;
 - single-process Muon on the full tensors (rank 0; the reference for equality).
@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    from torch_backend import RaggedShard  # (importing torch_backend installs the DTensor hooks)
+    from torch_backend import RaggedShard  # (the first RaggedShard installs the DTensor patches)
     from torch_backend.optim import Muon
 
     device = torch.device(args.device, rank if cuda else 0) if cuda else torch.device("cpu")

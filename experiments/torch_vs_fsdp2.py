@@ -273,7 +273,7 @@ def _worker(rank: int, port: int, name: str, mode: str, kind: str, warmup: int, 
                             timeout=datetime.timedelta(seconds=120))
     from torch.distributed.device_mesh import init_device_mesh
 
-    import torch_backend  # noqa: F401  (installs the RaggedShard DTensor hooks)
+    import torch_backend  # noqa: F401  (imported before _mark_collectives wraps torch.distributed, as in the recorded runs)
 
     _mark_collectives()
     mesh = init_device_mesh(DEVICE, (WORLD,))

@@ -54,8 +54,8 @@ def test_bucket_tables_refuse_thresholds_finer_than_a_bucket():
         buckets(np.array([1.0001, 1.0002], np.float32))  # in one bucket of [1, 1.0039)
 
 
-def _blocks(signed: bool) -> np.ndarray:
-    """(6, 1024) values spread over 12 decades, one block all zero, exact codebook entries and midpoints."""
+def _tiles(signed: bool) -> np.ndarray:
+    """(6, 1024) values spread over 12 decades, one tile all zero, exact codebook entries and midpoints."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 1024)) * np.logspace(-10, 2, 1024)[rng.permutation(1024)]
     x[2] = 0.0
@@ -66,7 +66,7 @@ def _blocks(signed: bool) -> np.ndarray:
 
 
 def _nearest(x: np.ndarray, book) -> tuple[np.ndarray, np.ndarray]:
-    """Brute force: per block, the entry nearest ``x / absmax`` (ties to the larger entry) and the scale."""
+    """Brute force: per tile, the entry nearest ``x / absmax`` (ties to the larger entry) and the scale."""
     scale = np.abs(x).max(axis=1)
     unit = x / np.where(scale > 0, scale, 1)[:, None]
     dist = np.abs(unit[..., None].astype(np.float64) - book.values.astype(np.float64))
@@ -76,7 +76,7 @@ def _nearest(x: np.ndarray, book) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("name", ["signed", "unsigned"])
 def test_both_stacks_store_the_nearest_codebook_entry_and_the_same_bits(name):
-    book, x = BOOKS[name], _blocks(name == "signed")
+    book, x = BOOKS[name], _tiles(name == "signed")
     want_codes, want_scale = _nearest(x, book)
     tbook = torch_adam8bit.device_book(name == "signed", torch.device("cpu"))
     codes, scale = torch_adam8bit.quantize(torch.from_numpy(x), tbook)
@@ -91,7 +91,7 @@ def test_both_stacks_store_the_nearest_codebook_entry_and_the_same_bits(name):
     jback = np.asarray(jax_adam8bit.dequantize(jcodes, jscale, ids, book)).reshape(6, 1024)
     np.testing.assert_array_equal(jback, back)
     np.testing.assert_array_equal(back, book.values[want_codes] * want_scale[:, None])
-    assert not back[2].any()  # an all-zero block decodes to zeros
+    assert not back[2].any()  # an all-zero tile decodes to zeros
 
 
 def test_torch_and_jax_optimizers_keep_the_same_codes_over_steps():

@@ -1,7 +1,8 @@
 """torch_backend: ragged-fsdp on PyTorch (the RaggedShard DTensor placement and the FSDP runtime).
 
-Importing the package installs the DTensor hooks (``placement/_dtensor_hooks``) that make ``RaggedShard`` work
-with ``distribute_tensor``, ``redistribute``, ``full_tensor``, ops and torch.distributed.checkpoint.
+Importing the package patches nothing in torch: the first ``RaggedShard`` constructed installs the DTensor
+patches (``placement/_dtensor_patches``) that make it work with ``distribute_tensor``, ``redistribute``,
+``full_tensor``, ops and torch.distributed.checkpoint.
 """
 
 from ragged.checkpoint import CheckpointError  # the one checkpoint error (DCP and neutral, both stacks)

@@ -1,11 +1,11 @@
 """Every torch private API torch_backend reaches, in one place, checked against torch 2.11 to 2.13.
 
 torch accepts a custom ``Placement`` only in ``DTensor.from_local`` / ``to_local``, so the RaggedShard
-hooks (``placement/_dtensor_hooks``) patch torch's private DTensor machinery; the FSDP runtime uses the
-few autograd and DTensor internals FSDP2 itself uses. Each is imported or wrapped here and nowhere else,
-and importing this module checks them: a torch older than 2.11, or one that lacks an internal, raises
-here at import instead of failing later inside a hook or a backward; a torch newer than 2.13 warns.
-The hooks module reads and patches attributes of the private objects it takes from here.
+patches (``placement/_dtensor_patches``, installed on the first RaggedShard) wrap torch's private DTensor
+machinery; the FSDP runtime uses the few autograd and DTensor internals FSDP2 itself uses. Each is
+imported or wrapped here and nowhere else. Importing this module only reads torch (it patches nothing)
+and checks it (``_check_torch``): a torch older than 2.11, or one that lacks an internal, raises here at
+import instead of failing later inside a patch or a backward; a torch newer than 2.13 warns.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ __all__ = [
     "pytree",
     "queue_backward_callback",
     "return_and_correct_aliasing",
-    "root_mesh",
+    "source_mesh",
     "set_local_tensor",
     "set_parameter",
     "state_dict_utils",
@@ -75,8 +75,8 @@ def current_mesh() -> DeviceMesh:
     return dt_api._mesh_resources.get_current_mesh()
 
 
-def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``mesh`` was cut from (itself when it was not cut from another)."""
+def source_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was cut from (itself when it was not cut from another; torch's "root mesh")."""
     return mesh._get_root_mesh()
 
 
@@ -118,6 +118,15 @@ def state_dict_utils() -> types.ModuleType | None:
     return module
 
 
+# The torch functions whose function objects the DTensor patches rebind (their code is swapped, so every
+# caller reaches the patch): each must be a plain function without a closure.
+REBINDABLE = (
+    (dt_redistribute, "redistribute_local_tensor"),
+    (dt_api, "distribute_tensor"),
+    (dt_api, "_dtensor_init_helper"),
+)
+
+
 def _check_torch() -> None:
     """Refuse torch < 2.11, warn above 2.13, and fail loudly if an internal used here has moved."""
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -133,6 +142,7 @@ def _check_torch() -> None:
     missing = [
         name
         for name, owner in (
+            # patched or called by placement/_dtensor_patches
             ("compute_global_tensor_info", dt_api),
             ("_ToTorchTensor", dt_api),
             ("_mesh_resources", dt_api),
@@ -140,6 +150,9 @@ def _check_torch() -> None:
             ("_custom_op_handlers", DTensor._op_dispatcher),
             ("_dispatch_get_local_results_slow_path", DTensor._op_dispatcher),
             ("__create_write_items__", DTensor),
+            ("__create_chunk_list__", DTensor),
+            ("__get_tensor_shard__", DTensor),
+            # read by the FSDP runtime
             ("_get_root_mesh", DeviceMesh),
             ("queue_callback", Variable._execution_engine),
         )
@@ -155,13 +168,5 @@ def _check_torch() -> None:
             f"torch {torch.__version__} lacks the internals {missing} that torch_backend relies on"
         )
 
-
-# The torch functions whose function objects the hooks rebind (their code is swapped, so every caller
-# reaches the hook): each must be a plain function without a closure.
-REBINDABLE = (
-    (dt_redistribute, "redistribute_local_tensor"),
-    (dt_api, "distribute_tensor"),
-    (dt_api, "_dtensor_init_helper"),
-)
 
 _check_torch()

@@ -17,9 +17,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _user_model_workers import rel_errors
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+
+from tests.torch_backend._user_model_workers import rel_errors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, D, SEED, LR, WEIGHT_DECAY = 12, 8, 0, 1e-2, 0.1  # 12 rows: an even split over 2, 3 and 4 ranks

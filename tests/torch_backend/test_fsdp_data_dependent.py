@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import _data_dependent_workers as W
 import pytest
-from _dist import Launcher
+
+from tests.torch_backend import _data_dependent_workers as W
+from tests.torch_backend._dist import Launcher
 
 FP32_RTOL = 1e-5
 run = Launcher(str(Path(W.__file__)))

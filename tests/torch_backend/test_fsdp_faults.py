@@ -9,12 +9,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import _dist
-import _fsdp_workers as W
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
+from tests.torch_backend import _dist
+from tests.torch_backend import _fsdp_workers as W
 
 WORKERS = str(Path(W.__file__))
 PG_TIMEOUT_S = 5.0

@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import _fsdp_workers as W
 import numpy as np
 import pytest
-from _dist import launch
+
+from tests.torch_backend import _fsdp_workers as W
+from tests.torch_backend._dist import launch
 
 WORKERS = str(Path(W.__file__))
 FP32_RTOL = 1e-5

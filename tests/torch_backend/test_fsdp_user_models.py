@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import _user_model_workers as W
 import pytest
-from _dist import Launcher
+
+from tests.torch_backend import _user_model_workers as W
+from tests.torch_backend._dist import Launcher
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

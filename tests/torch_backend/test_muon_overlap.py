@@ -1,5 +1,5 @@
-"""Overlapped (root-bucketed, asynchronous) Muon gives the same bits as sequential Muon, and the core's
-Newton-Schulz FLOP count matches torch's own FLOP counter."""
+"""Overlapped (bucketed by NS device, asynchronous) Muon gives the same bits as sequential Muon, and the
+core's Newton-Schulz FLOP count matches torch's own FLOP counter."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ragged
 import ragged.muon
-from tests.torch_backend.test_optim_torch import MUON_SPECS, _fulls, _sharded, _train, run_threads
+from tests.torch_backend.test_optim import MUON_SPECS, _fulls, _sharded, _train, run_threads
 from torch_backend.optim import Muon, newton_schulz
 
 # more matrices than devices, so that there are several buckets and in_flight matters

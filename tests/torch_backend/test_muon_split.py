@@ -2,9 +2,9 @@
 (``ragged.muon.assign_groups``).
 
 The case is one llama3-8b decoder layer's seven matrices scaled by 1/128 on 8 devices: the same ratios of
-matrices to devices and of costs as the whole model (224 matrices) on 256 devices, so the same plan:
-whole-matrix roots reach only max/mean 2.11, and ``assign_groups`` splits the three FFN matrices (two tall,
-one wide) over groups of 4 that overlap, reaching 1.057. References: single-process Muon and the core's
+matrices to devices and of costs as the whole model (224 matrices) on 256 devices, so the same plan: one NS
+device per whole matrix reaches only max/mean 2.11, and ``assign_groups`` splits the three FFN matrices (two
+tall, one wide) over groups of 4 that overlap, reaching 1.057. References: single-process Muon and the core's
 numpy scheme (``ragged.muon.split_newton_schulz_reference``, float64). The split adds the Gram matrix's inner
 products in ``g`` partial sums, another rounding order, so the stated tolerance is 1e-5 relative (fp32).
 Threads (threaded process group) for the numbers; gloo processes to count FLOPs and collectives per rank.
@@ -17,11 +17,11 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from _dist import Launcher, assert_case, run_cases
 
 import ragged
 import ragged.muon
-from tests.torch_backend.test_optim_torch import MUON_SPECS, _fulls, _muon, _train, run_threads
+from tests.torch_backend._dist import Launcher, assert_case, run_cases
+from tests.torch_backend.test_optim import MUON_SPECS, _fulls, _muon, _train, run_threads
 from torch_backend import RaggedShard
 from torch_backend.optim import Muon, newton_schulz
 
@@ -195,9 +195,10 @@ def checks(rank: int, world: int) -> dict:
         groups = ragged.muon.assign_groups(shapes, world)
         load = opt.newton_schulz_load()
         np.testing.assert_array_equal(load, ragged.muon.group_load(shapes, groups, world))
-        assert load.max() / load.mean() < 1.06  # 1.057, against 2.11 for whole-matrix roots:
-        roots = ragged.muon.assign_ns_devices([ragged.muon.newton_schulz_flops(s) for s in shapes], world)
-        whole = ragged.muon.newton_schulz_load(shapes, roots, world)
+        assert load.max() / load.mean() < 1.06  # 1.057, against 2.11 for one NS device per matrix:
+        flops = [ragged.muon.newton_schulz_flops(s) for s in shapes]
+        ns_devices = ragged.muon.assign_ns_devices(flops, world)
+        whole = ragged.muon.newton_schulz_load(shapes, ns_devices, world)
         assert whole.max() / whole.mean() > 2.1
         np.testing.assert_array_equal(_muon(list(live.items())).newton_schulz_load(), whole)  # the default
         with FlopCounterMode(display=False) as flops, debug_counter() as counter:
@@ -214,11 +215,11 @@ def checks(rank: int, world: int) -> dict:
                 want[("all_to_all", unit)] += 2 * (p.shape[0] <= p.shape[1])  # row <-> column blocks
         got = Counter({key: c for key, c in counter.calls.items() if key[1].startswith("muon split")})
         assert got == want, (got, want)
-        whole_roots = [opt.root(p) for p in matrices.values() if len(opt.ns_devices(p)) == 1]
-        buckets = ragged.muon.ns_device_buckets(whole_roots)
+        whole_on = [opt.ns_device(p) for p in matrices.values() if len(opt.ns_devices(p)) == 1]
+        buckets = ragged.muon.ns_device_buckets(whole_on)
         assert counter.calls[("all_to_all", "muon gather")] == len(buckets) + 1
         with pytest.raises(ValueError, match="split over devices"):
-            opt.root(matrices["w_down"])
+            opt.ns_device(matrices["w_down"])
 
     return run_cases({"split_counts": split_counts})
 

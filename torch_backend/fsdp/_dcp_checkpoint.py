@@ -1,9 +1,9 @@
 """DCP checkpoints of a sharded model (and its optimizer): torch.distributed.checkpoint's own format.
 
-Every rank saves its local shards as they are: the sharded parameters and the optimizer state are
+Every rank saves its local pieces as they are: the sharded parameters and the optimizer state are
 RaggedShard DTensors whose chunk metadata (``_dcp``) tells DCP which regular boxes of each global tensor
 they hold, so a checkpoint written at one world size (or granularity) loads at another, in place into
-the new local shards. Keys are ``model.<fqn>`` and ``optim.<fqn>.<state>``.
+the new local pieces. Keys are ``model.<fqn>`` and ``optim.<fqn>.<state>``.
 
 A checkpoint is written to ``<path>.partial`` and renamed to ``<path>`` only once every rank has written
 its part, so a run that dies while saving leaves the previous complete checkpoint as the latest.
@@ -77,7 +77,7 @@ def save_dcp_checkpoint(path: str | os.PathLike, model: nn.Module,
 
 def load_dcp_checkpoint(path: str | os.PathLike, model: nn.Module,
                         optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a ``save_dcp_checkpoint`` checkpoint (of any world size) in place into ``model``'s local shards.
+    """Load a ``save_dcp_checkpoint`` checkpoint (of any world size) in place into ``model``'s local pieces.
 
     The optimizer's per-parameter state is created with the parameters' placements (tensors shaped like
     the parameter) or as plain scalars, then filled from the checkpoint; its hyperparameters are the ones

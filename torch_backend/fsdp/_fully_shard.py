@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import ragged
 from ragged import Granularity, GranularityRule, Layout, TensorSpec
 from torch_backend._collectives import all_reduce
-from torch_backend._torch_internals import root_mesh
+from torch_backend._torch_internals import source_mesh
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._hooks import FSDPState, state_of, states_under
 from torch_backend.fsdp._unit import ParamRef, Unit
@@ -234,18 +234,18 @@ def _default_mesh() -> DeviceMesh:
 
 
 def _check_mesh_covers(mesh: DeviceMesh) -> None:
-    """Every rank of the process group sits in the mesh (or in the root mesh a sub-mesh was cut from).
+    """Every rank of the process group sits in the mesh (or in the mesh a sub-mesh was cut from).
 
     A rank outside it would never join the unit's collectives and leave the others blocked; ranks
-    inside cannot see that without communicating, so a root mesh smaller than the process group is
+    inside cannot see that without communicating, so a source mesh smaller than the process group is
     rejected on every rank.
     """
     if not dist.is_initialized():
         return
-    root = root_mesh(mesh)
+    source = source_mesh(mesh)
     world = dist.get_world_size()
-    if root.size() != world or mesh.get_coordinate() is None:
-        ranks = root.mesh.flatten().tolist()
+    if source.size() != world or mesh.get_coordinate() is None:
+        ranks = source.mesh.flatten().tolist()
         raise ValueError(f"fully_shard: the mesh covers ranks {ranks} but the process group has {world} "
                          f"ranks; every rank must hold a place in the mesh (build it over all "
                          f"{world} ranks, e.g. init_device_mesh(device_type, ({world},)), or cut sub-meshes "
@@ -288,7 +288,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     after forward they are freed when ``reshard_after_forward``. In backward, gradients accumulate into
     an unsharded gradient buffer; one reduce-scatter writes the local gradient shard, which the sharded
     parameters' ``.grad`` view (HSDP: then one all-reduce across replicas). The next unit is prefetched.
-    Call it bottom-up (each block, then the root), as with FSDP2.
+    Call it bottom-up (each layer, then the root), as with FSDP2.
 
     Args:
         module: a module, or a list of modules sharded as one unit (e.g. ``[model.norm, model.output]``).

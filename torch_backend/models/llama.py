@@ -2,7 +2,7 @@
 
 Read it top to bottom: RMSNorm, RoPE, Attention (GQA, causal), FeedForward (SwiGLU), TransformerBlock,
 Llama. Weights are ``[out, in]`` (``nn.Linear``) and the parameter names (``layers.0.attention.wq.weight``,
-...) are the FQNs of ``ragged.models.model_shapes("llama-tiny")``, in the preset's order inside each block. No
+...) are the FQNs of ``ragged.models.model_shapes("llama-tiny")``, in the preset's order inside each layer. No
 parallelism code lives here: ``parallelize.py`` applies ``fully_shard``. The model can be built on the
 meta device; ``init_weights(seed)`` then gives every parameter the same values as a model built on CPU.
 """

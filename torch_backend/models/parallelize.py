@@ -10,7 +10,7 @@ from torch_backend.models.llama import Llama
 
 def parallelize(model: Llama, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy | None = None, granularity: GranularityArg = None) -> Llama:
-    """Shard ``model`` in place: ``tok_embeddings``, each block, ``[norm, output]``, then the root.
+    """Shard ``model`` in place: ``tok_embeddings``, each layer, ``[norm, output]``, then the root.
 
     The units match the core preset's (``ragged.models.model_shapes("llama-tiny")``): the same tensors in the
     same order under the same FQNs, so the layouts equal the JAX backend's for the same granularity.

@@ -1,15 +1,15 @@
-"""8-bit blockwise AdamW whose quantization tiles are 32x32 tiles kept whole on one device.
+"""8-bit AdamW quantized per tile, each tile kept whole on one device.
 
-The math is plain functions over flat local tensors; ``Adam8bit`` is a thin ``torch.optim.Optimizer`` shell
-that owns the state. Blocks come from the core (``ragged.quant.quant_tile``,
+The math is plain functions over flat local tensors; ``Adam8bit`` is a thin ``torch.optim.Optimizer``
+shell that owns the state. Tiles come from the core (``ragged.quant.quant_tile``,
 ``ragged.quant.check_tiles_local``):
-32x32 tiles of matrices the tile divides, one row of other matrices, one element of 1-D tensors (whose
-state so stays at full precision). A local slice is whole bands of blocks, so ``to_tiles`` is a reshape
-+ permute of the local tensor into ``(blocks, block numel)`` in the core's block order, and each device
-quantizes its own blocks with no communication.
+32x32 of matrices the tile divides, one row of other matrices, one element of 1-D tensors (whose
+state so stays at full precision). A local slice is whole bands of tiles, so ``to_tiles`` is a reshape
++ permute of the local tensor into ``(tiles, tile numel)`` in the core's tile order, and each device
+quantizes its own tiles with no communication.
 
-Quantization (per block, state stored in block order) uses the core's dynamic codebooks
-(``ragged.quant.codebook``, the same table as the JAX ``adamw8bit``): one fp32 absmax scale per block and a
+Quantization (per tile, state stored in tile order) uses the core's dynamic codebooks
+(``ragged.quant.codebook``, the same table as the JAX ``adamw8bit``): one fp32 absmax scale per tile and a
 uint8 code per element, the nearest entry of
 
 - ``SIGNED`` for the first moment ``m``;
@@ -38,7 +38,7 @@ Tile = tuple[int, int]
 _ZERO_M, _ZERO_V = int(SIGNED.values.searchsorted(0.0)), 0  # the codes of 0
 
 
-# ----- quantization (rows are blocks) ------------------------------------------------------------
+# ----- quantization (rows are tiles) -------------------------------------------------------------
 class DeviceBook(NamedTuple):
     """A ``Codebook``'s tables as tensors on one device."""
 
@@ -56,10 +56,10 @@ def device_book(signed: bool, device: torch.device) -> DeviceBook:
 
 
 def quantize(x: torch.Tensor, book: DeviceBook) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(blocks, n)`` fp32 -> uint8 codes (nearest ``book`` entry of ``x / absmax``) and the absmax scales.
+    """``(tiles, n)`` fp32 -> uint8 codes (nearest ``book`` entry of ``x / absmax``) and the absmax scales.
 
     The code is the number of thresholds ``<= x / absmax``, read from the codebook's buckets (one table
-    look-up and one comparison per element, ``ragged.quant.codebook``). An all-zero block has scale 0 and the
+    look-up and one comparison per element, ``ragged.quant.codebook``). An all-zero tile has scale 0 and the
     code of the entry 0.
     """
     scale = x.abs().amax(dim=1)
@@ -71,13 +71,13 @@ def quantize(x: torch.Tensor, book: DeviceBook) -> tuple[torch.Tensor, torch.Ten
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, book: DeviceBook) -> torch.Tensor:
-    """``book.values[codes] * scale`` per block."""
+    """``book.values[codes] * scale`` per tile."""
     return book.values.index_select(0, codes.view(-1).int()).view(codes.shape).mul_(scale[:, None])
 
 
 def sqrt_rounded(x: torch.Tensor) -> torch.Tensor:
     """The correctly rounded float32 square root (XLA's), which torch's vectorized CPU ``sqrt`` misses in
-    the last bit for about 0.6% of inputs: numpy's on CPU, else the float64 root rounded once."""
+    the last bit for about 0.6% of inputs: numpy's on CPU, else the float64 square root rounded once."""
     if x.device.type == "cpu":
         return torch.from_numpy(np.sqrt(x.contiguous().numpy()))
     return x.double().sqrt().float()
@@ -92,7 +92,7 @@ def dequantize_m(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes of ``sqrt(v)``: the scale is ``max sqrt(v)`` of the block."""
+    """Codes of ``sqrt(v)``: the scale is ``max sqrt(v)`` of the tile."""
     return quantize(sqrt_rounded(v), device_book(False, v.device))
 
 
@@ -100,28 +100,27 @@ def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequantize(codes, scale, device_book(False, codes.device)).square_()
 
 
-# ----- blocks of a local slice -------------------------------------------------------------------
+# ----- tiles of a local slice --------------------------------------------------------------------
 def _grid(shape: tuple[int, ...], tile: Tile) -> tuple[int, int, int]:
-    """``(block rows, blocks per band, block cols)`` of the core's ``quant_tile``."""
+    """``(tile rows, tiles per band, tile cols)`` of the core's ``quant_tile``."""
     r, c = ragged.quant.quant_tile(shape, tile)
     width = shape[-1] if len(shape) >= 2 else 1
     return r, width // c, c
 
 
 def to_tiles(flat: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
-    """A local flat slice of whole bands (``ragged.quant.check_tiles_local``) -> ``(blocks, block numel)``.
+    """A local flat slice of whole bands (``ragged.quant.check_tiles_local``) -> ``(tiles, tile numel)``.
 
-    Blocks come out in the core's order (``ragged.quant.tile_ids``): bands top to bottom, blocks left to
-    right.
+    Tiles come out in the core's order (``ragged.quant.tile_ids``): bands top to bottom, tiles left to right.
     """
     r, per_band, c = _grid(shape, tile)
     return flat.reshape(-1, r, per_band, c).permute(0, 2, 1, 3).reshape(-1, r * c)
 
 
-def from_tiles(blocks: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
-    """The inverse of ``to_tiles``: ``(blocks, block numel)`` -> the flat local slice."""
+def from_tiles(tiles: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch.Tensor:
+    """The inverse of ``to_tiles``: ``(tiles, tile numel)`` -> the flat local slice."""
     r, per_band, c = _grid(shape, tile)
-    return blocks.reshape(-1, per_band, r, c).permute(0, 2, 1, 3).reshape(-1)
+    return tiles.reshape(-1, per_band, r, c).permute(0, 2, 1, 3).reshape(-1)
 
 
 # ----- the AdamW math --------------------------------------------------------------------------------
@@ -135,36 +134,36 @@ def adam_direction(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, step: i
 
 
 class Adam8bitState(NamedTuple):
-    """One parameter's 8-bit state, in block order (``to_tiles``)."""
+    """One parameter's 8-bit state, in tile order (``to_tiles``)."""
 
-    m_codes: torch.Tensor  # (blocks, n) uint8
-    m_scale: torch.Tensor  # (blocks,) fp32
-    v_codes: torch.Tensor  # (blocks, n) uint8
-    v_scale: torch.Tensor  # (blocks,) fp32
+    m_codes: torch.Tensor  # (tiles, n) uint8
+    m_scale: torch.Tensor  # (tiles,) fp32
+    v_codes: torch.Tensor  # (tiles, n) uint8
+    v_scale: torch.Tensor  # (tiles,) fp32
 
 
-def init_state(num_blocks: int, block: int, device: torch.device) -> Adam8bitState:
+def init_state(num_tiles: int, tile_numel: int, device: torch.device) -> Adam8bitState:
     """All-zero moments: scales 0 and the codes of the entry 0."""
     return Adam8bitState(
-        torch.full((num_blocks, block), _ZERO_M, dtype=torch.uint8, device=device),
-        torch.zeros(num_blocks, device=device),
-        torch.full((num_blocks, block), _ZERO_V, dtype=torch.uint8, device=device),
-        torch.zeros(num_blocks, device=device),
+        torch.full((num_tiles, tile_numel), _ZERO_M, dtype=torch.uint8, device=device),
+        torch.zeros(num_tiles, device=device),
+        torch.full((num_tiles, tile_numel), _ZERO_V, dtype=torch.uint8, device=device),
+        torch.zeros(num_tiles, device=device),
     )
 
 
-def adam8bit_direction(grad_blocks: torch.Tensor, state: Adam8bitState, step: int,
+def adam8bit_direction(grad_tiles: torch.Tensor, state: Adam8bitState, step: int,
                        betas: tuple[float, float], eps: float) -> tuple[torch.Tensor, Adam8bitState]:
-    """Adam's direction for one parameter's blocks from 8-bit state; returns it and the new state."""
+    """Adam's direction for one parameter's tiles from 8-bit state; returns it and the new state."""
     m = dequantize_m(state.m_codes, state.m_scale)
     v = dequantize_v(state.v_codes, state.v_scale)
-    direction = adam_direction(m, v, grad_blocks.float(), step, betas, eps)
+    direction = adam_direction(m, v, grad_tiles.float(), step, betas, eps)
     return direction, Adam8bitState(*quantize_m(m), *quantize_v(v))
 
 
 # ----- the optimizer shell ------------------------------------------------------------------------------
 class Adam8bit(ParamwiseOptimizer):
-    """AdamW with 8-bit blockwise state on 32x32 tiles that never cross devices.
+    """AdamW with 8-bit state quantized per 32x32 tile, each tile on one device.
 
     Works on plain tensors and on RaggedShard DTensors (``fully_shard`` with granularity
     ``tiles:32x32``, ``distribute_tensor(full, mesh, [layout.placement(fqn)])``). Every local tile is
@@ -195,13 +194,13 @@ class Adam8bit(ParamwiseOptimizer):
         shape, tile = tuple(p.shape), group["tile"]
         local, _ = local_slice(p, name)
         grad, _ = local_slice(p.grad, name + ".grad")
-        blocks = to_tiles(grad, shape, tile)
+        tiles = to_tiles(grad, shape, tile)
         state = self.state[p]  # plain tensors under Adam8bitState's field names, so state_dict round-trips
         if not state:
-            state.update(step=0, **init_state(blocks.shape[0], blocks.shape[1], local.device)._asdict())
+            state.update(step=0, **init_state(tiles.shape[0], tiles.shape[1], local.device)._asdict())
         state["step"] += 1
         current = Adam8bitState(*(state[f] for f in Adam8bitState._fields))
-        direction, new = adam8bit_direction(blocks, current, state["step"], group["betas"], group["eps"])
+        direction, new = adam8bit_direction(tiles, current, state["step"], group["betas"], group["eps"])
         state.update(new._asdict())
         local.mul_(1 - group["lr"] * group["weight_decay"])
         local.add_(from_tiles(direction, shape, tile).to(local.dtype), alpha=-group["lr"])

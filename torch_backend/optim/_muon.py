@@ -1,24 +1,24 @@
 """Distributed Muon (veScale-FSDP Algorithm 2) on RaggedShard DTensors, AdamW for the other parameters.
 
-For each 2-D parameter: the momentum update runs on the local shard; the (Nesterov) momentum goes to
-``RaggedShard.whole_on(root)`` (a gather), Newton-Schulz orthogonalizes it on the root only (the other
-devices hold nothing and skip it), and the result goes back to the parameter's placement (a scatter)
-and is applied. Roots are chosen once by the core's load balancing (``ragged.muon.assign_ns_devices`` over
-``ragged.muon.newton_schulz_flops``), the same way on every device. With ``max_imbalance`` (max / mean FLOPs
-per device; opt-in) the matrices that stop it are *split* (``ragged.muon.assign_groups``): a group of ``g``
-devices each gets ``rows / g`` rows (``_muon_split``) and runs ``1/g`` of its Newton-Schulz, talking over a
-torch sub-group of the members. Plain tensors (single process) and replicated DTensors run Newton-Schulz
-locally.
+For each 2-D parameter: the momentum update runs on the local piece; the (Nesterov) momentum goes to
+``RaggedShard.whole_on(ns_device)`` (a gather), Newton-Schulz orthogonalizes it on that one device, the
+matrix's NS device (the other devices hold nothing and skip it), and the result goes back to the
+parameter's placement (a scatter) and is applied. NS devices are chosen once by the core's load
+balancing (``ragged.muon.assign_ns_devices`` over ``ragged.muon.newton_schulz_flops``), the same way on
+every device. With ``max_imbalance`` (max / mean FLOPs per device; opt-in) the matrices that stop it
+are *split* (``ragged.muon.assign_groups``): a group of ``g`` devices each gets ``rows / g`` rows
+(``_muon_split``) and runs ``1/g`` of its Newton-Schulz, talking over a torch sub-group of the members.
+Plain tensors (single process) and replicated DTensors run Newton-Schulz locally.
 
 Two schedules give the same bits. Sequential (``overlap=False``): each matrix is gathered,
 orthogonalized and scattered in turn (two ``DTensor.redistribute`` calls). Overlapped (default): the
-matrices go in the core's root buckets (``ragged.muon.ns_device_buckets``: the ``j``-th matrix of every root),
-each bucket's gathers are one asynchronous ``all_to_all`` (the core's plan over the concatenated
-holdings, ``ragged.muon.bucket_holdings``), and so are its scatters; while a device orthogonalizes its matrix
-of bucket ``j``, the gathers of the next ``in_flight`` buckets and the scatters of the last ``in_flight``
-are in flight (on CUDA on a side stream of the parameter's device; on CPU on the backend's thread).
-Split matrices run after them in both schedules, in their own sequential path: one gather of all of them,
-the groups' Newton-Schulz, one scatter.
+matrices go in the core's NS-device buckets (``ragged.muon.ns_device_buckets``: the ``j``-th matrix of
+every NS device), each bucket's gathers are one asynchronous ``all_to_all`` (the core's plan over the
+concatenated holdings, ``ragged.muon.bucket_holdings``), and so are its scatters; while a device
+orthogonalizes its matrix of bucket ``j``, the gathers of the next ``in_flight`` buckets and the
+scatters of the last ``in_flight`` are in flight (on CUDA on a side stream of the parameter's device; on
+CPU on the backend's thread). Split matrices run after them in both schedules, in their own sequential
+path: one gather of all of them, the groups' Newton-Schulz, one scatter.
 
 The update is scaled by ``sqrt(max(1, rows / cols))`` (Keller Jordan's shape rule, so that tall matrices
 get the same per-row step). Weight decay is decoupled. Parameters that are not 2-D use AdamW with
@@ -68,29 +68,30 @@ def newton_schulz(g: torch.Tensor, steps: int = ragged.muon.NS_STEPS, eps: float
     return (x.T if tall else x).float()
 
 
-def orthogonalize(update: torch.Tensor, p: torch.Tensor, root: int,
+def orthogonalize(update: torch.Tensor, p: torch.Tensor, ns_device: int,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Newton-Schulz of the whole matrix ``p`` from the local flat slice ``update``; returns the local slice.
 
-    A RaggedShard DTensor goes to ``root`` and back (two redistributions); anything else is whole here.
+    A RaggedShard DTensor goes to ``ns_device`` and back (two redistributions); anything else is whole here.
     """
     if _ragged_dim(p) is None:
         return newton_schulz(update.view(p.shape), dtype=dtype).reshape(-1)
     mesh, placements = p.device_mesh, p.placements
-    on_root = list(placements)
-    on_root[_ragged_dim(p)] = RaggedShard.whole_on(root, mesh.size(_ragged_dim(p)))
+    on_ns_device = list(placements)
+    on_ns_device[_ragged_dim(p)] = RaggedShard.whole_on(ns_device, mesh.size(_ragged_dim(p)))
     # run_check=False: both locals are cut from the layout here, so skip from_local's size all_gather.
     sharded = make_dtensor(update, mesh, placements, p.shape)
-    whole = sharded.redistribute(mesh, on_root).to_local()  # the full matrix on root, empty elsewhere
+    whole = sharded.redistribute(mesh, on_ns_device).to_local()  # the full matrix there, empty elsewhere
     if whole.numel():
         whole = newton_schulz(whole.view(p.shape), dtype=dtype).reshape(-1)
-    back = make_dtensor(whole, mesh, on_root, p.shape)
+    back = make_dtensor(whole, mesh, on_ns_device, p.shape)
     return back.redistribute(mesh, placements).to_local()
 
 
 class _Bucket:
     """Matrices on one mesh dim moved together: the core's plan from their local slices (concatenated) to
-    their ``targets`` (a root bucket: ``whole_on(root)`` each; the split bucket: a group's row blocks each)
+    their ``targets`` (an NS-device bucket: ``whole_on(ns_device)`` each; the split bucket: a group's row
+    blocks each)
     and the plan back."""
 
     def __init__(self, params: list[torch.Tensor], targets: list[ragged.RaggedShard]) -> None:
@@ -100,14 +101,14 @@ class _Bucket:
         shapes = [tuple(q.shape) for q in params]
         placements = [q.placements[dim].core for q in params]
         numels = [math.prod(s) for s in shapes]
-        pieces = ragged.muon.bucket_holdings(
+        local = ragged.muon.bucket_holdings(
             [ragged.ragged_holdings(q, s) for q, s in zip(placements, shapes)], numels)
-        held = ragged.muon.bucket_holdings([ragged.ragged_holdings(t, s) for t, s in zip(targets, shapes)],
-                                           numels)
-        self.gather_plan, self.scatter_plan = ragged.transfers(pieces, held), ragged.transfers(held, pieces)
+        held = ragged.muon.bucket_holdings(
+            [ragged.ragged_holdings(t, s) for t, s in zip(targets, shapes)], numels)
+        self.gather_plan, self.scatter_plan = ragged.transfers(local, held), ragged.transfers(held, local)
         self.local_numels = [q.local_numel(s, self.rank) for q, s in zip(placements, shapes)]
         self.held_numels = [t.local_numel(s, self.rank) for t, s in zip(targets, shapes)]
-        # a root bucket holds at most one matrix per root: the one this device orthogonalizes
+        # an NS-device bucket holds at most one matrix per device: the one this device orthogonalizes
         self.mine = next((k for k, n in enumerate(self.held_numels) if n), None)
 
     def gather(self, updates: list[torch.Tensor], stream: torch.cuda.Stream | None) -> Finish:
@@ -132,17 +133,17 @@ class Muon(ParamwiseOptimizer):
         lr: Muon's learning rate; momentum: its momentum; nesterov: use the Nesterov update.
         weight_decay: decoupled weight decay for every parameter.
         adamw_lr, adamw_betas, adamw_eps: AdamW for parameters that are not 2-D.
-        overlap: bucket the matrices by root and overlap their gathers and scatters with Newton-Schulz
+        overlap: bucket the matrices by NS device and overlap their gathers and scatters with Newton-Schulz
             (``False``: one matrix after another; both give the same bits).
         in_flight: buckets whose gathers (and, separately, scatters) may be in flight while a device
             orthogonalizes; a device then holds at most ``2 * in_flight + 1`` whole matrices.
         ns_dtype: the dtype Newton-Schulz computes in (``torch.bfloat16`` for the fast path).
-        max_imbalance: ``None``: one root per matrix (``ragged.muon.assign_ns_devices``). A target max /
-            mean of per-device Newton-Schulz FLOPs: the matrices that stop it are split over groups of
-            devices (``ragged.muon.assign_groups``; the others keep one root). Splitting balances the FLOPs
-            (llama3-8b's layers at 256 devices: 1.057 instead of 2.11) but adds collectives inside each
-            group at every Newton-Schulz step (``ragged.muon.split_newton_schulz_bytes``), so it is opt-in,
-            as in JAX's ``muon_plan``.
+        max_imbalance: ``None``: one NS device per matrix (``ragged.muon.assign_ns_devices``). A target
+            max / mean of per-device Newton-Schulz FLOPs: the matrices that stop it are split over groups
+            of devices (``ragged.muon.assign_groups``; the others keep one NS device). Splitting balances
+            the FLOPs (llama3-8b's layers at 256 devices: 1.057 instead of 2.11) but adds collectives inside
+            each group at every Newton-Schulz step (``ragged.muon.split_newton_schulz_bytes``), so it is
+            opt-in, as in JAX's ``muon_plan``.
 
     Raises:
         ragged.PlacementError: a DTensor placement other than RaggedShard / Replicate, or matrices sharded
@@ -172,7 +173,7 @@ class Muon(ParamwiseOptimizer):
         worlds = sorted({_ragged_world(p) for p in matrices} - {1})
         if len(worlds) > 1:
             raise ragged.PlacementError(
-                f"Muon: 2-D parameters are ragged-sharded over meshes of {worlds} devices; roots are "
+                f"Muon: 2-D parameters are ragged-sharded over meshes of {worlds} devices; NS devices are "
                 "balanced over one mesh dim, use one sharding mesh size (or one optimizer per mesh)"
             )
         world = worlds[0] if worlds else 1
@@ -188,18 +189,20 @@ class Muon(ParamwiseOptimizer):
 
     def ns_devices(self, p: torch.Tensor) -> tuple[int, ...]:
         """The devices (indices on the sharding mesh dim) that run 2-D parameter ``p``'s Newton-Schulz: its
-        root, or the group it is split over. (Plain and replicated tensors run it whole on every device.)"""
+        NS device, or the group it is split over. (Plain and replicated tensors run it whole on every
+        device.)"""
         return self._groups[id(p)]
 
-    def root(self, p: torch.Tensor) -> int:
-        """The device that orthogonalizes the whole 2-D parameter ``p``.
+    def ns_device(self, p: torch.Tensor) -> int:
+        """The NS device of the 2-D parameter ``p``: the one device that orthogonalizes the whole of it.
 
         Raises:
             ValueError: ``p``'s Newton-Schulz is split over a group of devices (see ``ns_devices``).
         """
         devices = self.ns_devices(p)
         if len(devices) > 1:
-            raise ValueError(f"Muon: the {tuple(p.shape)} matrix is split over devices {devices}, no root")
+            raise ValueError(f"Muon: the {tuple(p.shape)} matrix is split over devices {devices}, so it has "
+                             "no single NS device")
         return devices[0]
 
     def newton_schulz_load(self) -> np.ndarray:
@@ -240,7 +243,7 @@ class Muon(ParamwiseOptimizer):
                 self._overlapped(items)
         else:
             for p, group, update in whole:
-                self._apply(p, group, orthogonalize(update, p, self.root(p), self.ns_dtype))
+                self._apply(p, group, orthogonalize(update, p, self.ns_device(p), self.ns_dtype))
         for items in _by_mesh_dim(split):
             self._split(items)
 
@@ -248,11 +251,11 @@ class Muon(ParamwiseOptimizer):
         """Bucketed gathers, Newton-Schulz and scatters of matrices on one mesh dim, ``in_flight`` ahead."""
         key = tuple(id(p) for p, _, _ in items)
         if key not in self._buckets:
-            order = ragged.muon.ns_device_buckets([self.root(p) for p, _, _ in items])
+            order = ragged.muon.ns_device_buckets([self.ns_device(p) for p, _, _ in items])
             world = _ragged_world(items[0][0])
             self._buckets[key] = [
-                (_Bucket([items[k][0] for k in b], [ragged.RaggedShard.whole_on(self.root(items[k][0]), world)
-                                                    for k in b]), b)
+                (_Bucket([items[k][0] for k in b],
+                         [ragged.RaggedShard.whole_on(self.ns_device(items[k][0]), world) for k in b]), b)
                 for b in order]
         buckets = self._buckets[key]
         stream = self._stream(items[0][2].device)

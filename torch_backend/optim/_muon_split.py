@@ -9,7 +9,7 @@ one all-reduce of the partial squared norms, then per step ``A = sum_i Xw_i Xw_i
 
 Members receive the matrix as ``split_placement``'s row blocks (``rows / g`` rows each, from the core's
 redistribution plan). For a tall stored matrix (rows > cols) a row block *is* the transposed column block
-of ``Xw``; for rows <= cols the members swap sub-blocks (one ``all_to_all`` in the group) to hold column
+of ``Xw``; for rows <= cols the members swap sub-matrices (one ``all_to_all`` in the group) to hold column
 blocks, and swap them back after Newton-Schulz.
 """
 
@@ -81,45 +81,46 @@ def split_newton_schulz(rows: torch.Tensor, shape: tuple[int, int], group: dist.
     if rows.numel() != shape[0] // g * shape[1]:
         raise ValueError(f"split_newton_schulz: member {i} of {g} holds {rows.numel()} elements of the "
                          f"{tuple(shape)} matrix; its row block has {shape[0] // g} x {shape[1]}")
-    unit = f"muon split {tuple(shape)}"
+    what = f"muon split {tuple(shape)}"
     a, b, c = ragged.muon.NS_COEFFS
     tall = shape[0] > shape[1]
     block = rows.view(shape[0] // g, shape[1])
-    x = (block.T if tall else _rows_to_columns(block, g, group, unit)).to(dtype)  # (m, n/g)
+    x = (block.T if tall else _rows_to_columns(block, g, group, what)).to(dtype)  # (m, n/g)
     m = x.shape[0]
     norm_sq = x.float().square().sum().reshape(1)
-    all_reduce(norm_sq, group, unit=unit).wait()
+    all_reduce(norm_sq, group, unit=what).wait()
     x = x / (norm_sq.sqrt().to(dtype).squeeze() + eps)  # a 0-d norm in dtype, as newton_schulz's x.norm()
     poly = x.new_empty(m, m)
     for _ in range(steps):
         gram = (x @ x.T).float()
-        all_reduce(gram, group, unit=unit).wait()
+        all_reduce(gram, group, unit=what).wait()
         gram = gram.to(dtype)
         own = gram[i * m // g:(i + 1) * m // g]
-        all_gather(poly, b * own + c * own @ gram, group, unit=unit).wait()
+        all_gather(poly, b * own + c * own @ gram, group, unit=what).wait()
         x = a * x + poly @ x
     x = x.float()
-    return (x.T if tall else _columns_to_rows(x, g, group, unit)).reshape(-1)
+    return (x.T if tall else _columns_to_rows(x, g, group, what)).reshape(-1)
 
 
-def _rows_to_columns(block: torch.Tensor, g: int, group: dist.ProcessGroup, unit: str) -> torch.Tensor:
-    """Member ``i``'s ``(r, n)`` row block -> its ``(g r, n/g)`` column block ``i`` (sub-block ``j`` to j)."""
+def _rows_to_columns(block: torch.Tensor, g: int, group: dist.ProcessGroup, what: str) -> torch.Tensor:
+    """Member ``i``'s ``(r, n)`` row block -> its ``(g r, n/g)`` column block ``i`` (sub-matrix ``j`` to
+    member ``j``)."""
     r, n = block.shape
     send = block.reshape(r, g, n // g).transpose(0, 1)  # (g, r, n/g): [j] = my rows, member j's columns
-    return _swap(send, group, unit).view(g * r, n // g)  # [j] = member j's rows, my columns
+    return _swap(send, group, what).view(g * r, n // g)  # [j] = member j's rows, my columns
 
 
-def _columns_to_rows(block: torch.Tensor, g: int, group: dist.ProcessGroup, unit: str) -> torch.Tensor:
+def _columns_to_rows(block: torch.Tensor, g: int, group: dist.ProcessGroup, what: str) -> torch.Tensor:
     """The reverse of ``_rows_to_columns``: ``(g r, n/g)`` column block -> ``(r, n)`` row block."""
     m, w = block.shape
     send = block.reshape(g, m // g, w)  # [j] = member j's rows, my columns
-    return _swap(send, group, unit).transpose(0, 1).reshape(m // g, g * w)  # [j] = my rows, j's columns
+    return _swap(send, group, what).transpose(0, 1).reshape(m // g, g * w)  # [j] = my rows, j's columns
 
 
-def _swap(send: torch.Tensor, group: dist.ProcessGroup, unit: str) -> torch.Tensor:
+def _swap(send: torch.Tensor, group: dist.ProcessGroup, what: str) -> torch.Tensor:
     """One ``all_to_all`` in the group: ``send[j]`` goes to member ``j``, ``out[j]`` came from ``j``."""
     send = send.contiguous()
     out = torch.empty_like(send)
-    chunks = [send[0].numel()] * send.shape[0]
-    all_to_all(out.view(-1), send.view(-1), chunks, chunks, group, unit=unit).wait()
+    splits = [send[0].numel()] * send.shape[0]
+    all_to_all(out.view(-1), send.view(-1), splits, splits, group, unit=what).wait()
     return out

@@ -9,7 +9,7 @@ Reductions over dims run on the local's sub-tensor view ``(n, *shape[k:])``: dim
 prefix stay RaggedShard, dims inside it leave a Partial; a device holding nothing contributes the
 reduction's identity. Everything else raises ``UnsupportedRaggedOp`` naming the op and the placement.
 
-The rules are written over ``Operand(shape, placements)``; ``_dtensor_hooks`` turns torch's specs
+The rules are written over ``Operand(shape, placements)``; ``_dtensor_patches`` turns torch's specs
 into operands and the rules' placements back into torch's output specs.
 """
 

@@ -42,6 +42,7 @@ class RaggedShard(Placement):
         super().__init__()
         # The core validates (prefix dims, non-negative counts, nonzero sum) at construction.
         self._core = ragged.RaggedShard(tuple(dims), tuple(local_units))
+        _install_dtensor_patches()
 
     @property
     def core(self) -> ragged.RaggedShard:
@@ -61,9 +62,9 @@ class RaggedShard(Placement):
         return RaggedShard(core.dims, core.local_units)
 
     @staticmethod
-    def whole_on(root: int, world_size: int) -> RaggedShard:
-        """One device (``root``) holds the whole tensor: ``dims=()`` with one-hot blocks."""
-        return RaggedShard.from_core(ragged.RaggedShard.whole_on(root, world_size))
+    def whole_on(device: int, world_size: int) -> RaggedShard:
+        """One device (``device``) holds the whole tensor: ``dims=()`` with one-hot blocks."""
+        return RaggedShard.from_core(ragged.RaggedShard.whole_on(device, world_size))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RaggedShard) and self._core == other._core
@@ -80,6 +81,16 @@ class RaggedShard(Placement):
     def __reduce__(self):
         # Placements travel through pickling (DCP metadata, spawn workers); rebuild from the two fields.
         return (RaggedShard, (self.dims, self.local_units))
+
+
+def _install_dtensor_patches() -> None:
+    """Patch torch's DTensor for RaggedShard (once per process): the first RaggedShard is the first use.
+
+    Imported here, not at the top: the patches module builds on this one.
+    """
+    from torch_backend.placement._dtensor_patches import install
+
+    install()
 
 
 def ragged_mesh_dim(placements: Sequence[Placement], name: str = "tensor") -> int | None:

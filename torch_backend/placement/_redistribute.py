@@ -149,7 +149,7 @@ def start_all_to_all(
 ) -> Callable[[], torch.Tensor]:
     """Issue ``plan`` as one asynchronous ``all_to_all_single``; calling the result finishes it.
 
-    Pieces that stay on this device are copied now; the finisher waits for the exchange, unpacks what
+    Transfers that stay on this device are copied now; the finisher waits for the exchange, unpacks what
     arrived and returns the local output (``out_numel`` elements). On CUDA with ``stream`` the packing and
     the exchange run on that stream after the current stream's work, and finishing makes the then current
     stream wait for them (``side_stream``); on CPU the exchange runs on the backend's own thread.
@@ -160,7 +160,7 @@ def start_all_to_all(
             out[t.dst_offset : t.dst_offset + t.length] = flat[t.src_offset : t.src_offset + t.length]
     if all(t.src == t.dst for t in plan):
         return lambda: out  # every rank sees the same plan, so every rank skips the collective
-    # Both sides walk the same sorted plan, so pieces between one pair arrive in the order they left.
+    # Both sides walk the same sorted plan, so transfers between one pair arrive in the order they left.
     sends = [t for t in plan if t.src == rank and t.dst != rank]
     recvs = [t for t in plan if t.dst == rank and t.src != rank]
     in_splits = [sum(t.length for t in sends if t.dst == d) for d in range(world)]

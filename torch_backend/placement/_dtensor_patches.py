@@ -1,13 +1,20 @@
-"""The DTensor hooks that make RaggedShard a working placement (torch 2.11 to 2.13).
+"""The patches of torch's private DTensor machinery that make RaggedShard a working placement.
 
 torch accepts a custom ``Placement`` only in ``DTensor.from_local`` / ``to_local``. Everything else a
-RaggedShard DTensor needs goes through the hooks below (the private torch objects they patch come from
-``torch_backend._torch_internals``, which checks them against the torch version). Each wraps one torch
-function, hands RaggedShard cases to this package (``_redistribute`` executes the core's plans, ``_ops``
-holds the sharding rules) and calls the original function unchanged for every other DTensor.
-``register()`` installs them once (idempotent); importing this module calls it.
+RaggedShard DTensor needs goes through the patches below. Each wraps one torch function, hands
+RaggedShard cases to this package (``_redistribute`` executes the core's plans, ``_ops`` holds the
+sharding rules) and calls the original function unchanged for every other DTensor.
 
-Hooks (the torch function each wraps):
+Version guard: torch 2.11 to 2.13. Every private torch object patched here comes from
+``torch_backend._torch_internals``, whose import checks the torch version and that each of them exists
+(a plain function where its code is rebound), so a torch that moved one fails before anything is patched.
+
+When: ``install()`` runs on the first use of the placement (``RaggedShard.__init__`` calls it: no
+RaggedShard DTensor can exist before a RaggedShard does), once per process (idempotent, thread-safe).
+Importing ``torch_backend`` patches nothing, so a process that never builds a RaggedShard keeps
+torch's DTensor as it is.
+
+Patches (the torch function each wraps):
   1. ``torch.distributed.tensor._redistribute.redistribute_local_tensor``: used by
      ``DTensor.redistribute``/``full_tensor``, their autograd backward, and the op dispatcher's
      argument resharding.
@@ -32,22 +39,19 @@ Hooks (the torch function each wraps):
  10. ``torch.distributed._state_dict_utils._distribute_tensors``: ``set_model_state_dict(...,
      broadcast_from_rank0=True)`` copies each RaggedShard local's flat range of the full tensor.
 
-Hooks 1, 2 and 4 rebind the code of torch's function object (``_rebind``) rather than a module
+Patches 1, 2 and 4 rebind the code of torch's function object (``_rebind``) rather than a module
 attribute, so callers that imported the function before ``torch_backend`` (``from
-torch.distributed.tensor import distribute_tensor``, torch's own modules) reach the hook too.
+torch.distributed.tensor import distribute_tensor``, torch's own modules) reach the patch too.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
+import threading
 import types
-from collections.abc import Sequence
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from torch_backend._torch_internals import (
     REBINDABLE,
@@ -60,7 +64,6 @@ from torch_backend._torch_internals import (
     OutputSharding,
     ShardingPropagator,
     TensorMeta,
-    compute_local_shape_and_global_offset,
     current_mesh,
     dt_api,
     is_view_op,
@@ -71,25 +74,35 @@ from torch_backend._torch_internals import (
 )
 from torch_backend.placement import _dcp, _ops
 from torch_backend.placement import _redistribute as rd
-from torch_backend.placement._placement import RaggedShard, ragged_mesh_dim
+from torch_backend.placement._dtensor import box_offset, boxes, has_ragged, local_piece, make_dtensor
+from torch_backend.placement._placement import ragged_mesh_dim
 
 aten = torch.ops.aten
+# torch's original of everything patched, by name: the patches call it for every non-ragged case.
 _ORIGINAL: dict[str, object] = {}
+_INSTALLED = threading.Event()
+_INSTALLING = threading.Lock()
 
 
-def register() -> None:
-    """Install the hooks once; calling it again does nothing.
+def install() -> None:
+    """Install the patches once per process; later calls (from any thread) return at once.
 
-    Raises:
-        RuntimeError: on a torch older than 2.11, or one that lacks an internal the hooks wrap
-            (raised when ``torch_backend._torch_internals`` is imported).
+    Installing twice would make the patches their own originals (an endless recursion), so the first
+    caller patches under a lock and the others wait for it.
     """
-    if _ORIGINAL:
+    if _INSTALLED.is_set():
         return
+    with _INSTALLING:
+        if not _INSTALLED.is_set():
+            _patch()
+            _INSTALLED.set()
+
+
+def _patch() -> None:
     for owner, name in REBINDABLE:
         _ORIGINAL[name] = _rebind(getattr(owner, name), _REBOUND[name])
 
-    # A C++ builtin on torch 2.13, read only by _api's own functions: the module attribute is the hook.
+    # A C++ builtin on torch 2.13, read only by _api's own functions: the module attribute is the patch.
     _ORIGINAL["compute_global_tensor_info"] = dt_api.compute_global_tensor_info
     dt_api.compute_global_tensor_info = _compute_global_tensor_info
 
@@ -102,7 +115,7 @@ def register() -> None:
     _ORIGINAL["propagate"] = ShardingPropagator.propagate_op_sharding_non_cached
     ShardingPropagator.propagate_op_sharding_non_cached = _propagate_op_sharding_non_cached
     propagator = DTensor._op_dispatcher.sharding_propagator
-    # The live instance caches a bound method of the original; rebuild its cache on the hooked one.
+    # The live instance caches a bound method of the original; rebuild its cache on the patched one.
     propagator.propagate_op_sharding = LocalLRUCache(propagator.propagate_op_sharding_non_cached)
 
     handlers = DTensor._op_dispatcher._custom_op_handlers
@@ -118,24 +131,24 @@ def register() -> None:
             _ORIGINAL[f"handler:{op}"] = handlers.get(op)
             handlers[op] = handler
 
-    _install_state_dict_hook()
+    _patch_state_dict_utils()
 
-    for attr, hook in (
+    for attr, patch in (
         ("__create_write_items__", _create_write_items),
         ("__create_chunk_list__", _create_chunk_list),
         ("__get_tensor_shard__", _get_tensor_shard),
     ):
         _ORIGINAL[attr] = getattr(DTensor, attr)
-        setattr(DTensor, attr, hook)
+        setattr(DTensor, attr, patch)
 
 
-def _trampoline(*args, _ragged_hook, **kwargs):
-    # The code every rebound torch function runs: ``_ragged_hook`` comes from its __kwdefaults__.
-    return _ragged_hook(*args, **kwargs)
+def _trampoline(*args, _ragged_patch, **kwargs):
+    # The code every rebound torch function runs: ``_ragged_patch`` comes from its __kwdefaults__.
+    return _ragged_patch(*args, **kwargs)
 
 
-def _rebind(fn: types.FunctionType, hook) -> types.FunctionType:
-    """Make the function object ``fn`` itself run ``hook``; return an unhooked copy of ``fn``.
+def _rebind(fn: types.FunctionType, patch) -> types.FunctionType:
+    """Make the function object ``fn`` itself run ``patch``; return an unpatched copy of ``fn``.
 
     Swapping the code of torch's function object (not the module attribute that names it) reaches
     every caller, including modules that did ``from torch.distributed.tensor import distribute_tensor``
@@ -147,88 +160,9 @@ def _rebind(fn: types.FunctionType, hook) -> types.FunctionType:
     original.__qualname__, original.__doc__ = fn.__qualname__, fn.__doc__
     fn.__code__ = _trampoline.__code__
     fn.__defaults__ = None
-    fn.__kwdefaults__ = {"_ragged_hook": hook}
+    fn.__kwdefaults__ = {"_ragged_patch": patch}
     fn.__wrapped__ = original  # inspect.signature still shows torch's signature
     return original
-
-
-# ---------------------------------------------------------------------------------------------------
-# Shared helpers over torch's private types.
-# ---------------------------------------------------------------------------------------------------
-
-
-def has_ragged(placements: Sequence[Placement]) -> bool:
-    return any(isinstance(p, RaggedShard) for p in placements)
-
-
-def boxes(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]):
-    """(this device's box shape, every box shape on the mesh) for the non-ragged placements.
-
-    Uses torch's own ``_compute_local_shape_and_global_offset``, which skips placements that are not
-    Shard, so a RaggedShard (and Replicate/Partial) leave the box whole on their mesh dims.
-    """
-    shape, placements = tuple(shape), tuple(placements)
-    if not any(isinstance(p, Shard) for p in placements):
-        return shape, [shape]  # every 1-D FSDP mesh: the box is the tensor
-    return _shard_boxes(shape, mesh, placements, tuple(mesh.get_coordinate() or ()))
-
-
-@functools.lru_cache(maxsize=4096)
-def _shard_boxes(shape, mesh, placements, mine):
-    # Every box on the mesh is checked on every rank, so all ranks raise the same error (no hang).
-    everything = sorted(
-        {
-            tuple(compute_local_shape_and_global_offset(shape, mesh.shape, list(c), placements)[0])
-            for c in itertools.product(*(range(n) for n in mesh.shape))
-        }
-    )
-    own = (
-        compute_local_shape_and_global_offset(shape, mesh.shape, list(mine), placements)[0]
-        if mine
-        else shape
-    )
-    return tuple(own), everything
-
-
-def box_offset(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], coordinate):
-    """(box shape, box global offset) of the device at ``coordinate``."""
-    local, offset = compute_local_shape_and_global_offset(
-        tuple(shape), mesh.shape, list(coordinate), placements
-    )
-    return tuple(local), tuple(offset)
-
-
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
-def make_dtensor(
-    local: torch.Tensor,
-    mesh: DeviceMesh,
-    placements: Sequence[Placement],
-    shape: Sequence[int],
-    requires_grad: bool = False,
-) -> DTensor:
-    """A DTensor from a local tensor and its global shape, without autograd history (a leaf)."""
-    spec = DTensorSpec(
-        mesh,
-        tuple(placements),
-        tensor_meta=TensorMeta(torch.Size(shape), contiguous_stride(shape), local.dtype),
-    )
-    return DTensor(local, spec, requires_grad=requires_grad)
-
-
-def local_piece(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
-    """This device's flat local slice of a full (global-shaped) tensor, without communication."""
-    m = ragged_mesh_dim(placements)
-    box, offset = box_offset(full.shape, mesh, placements, mesh.get_coordinate())
-    boxed = full[tuple(slice(o, o + n) for o, n in zip(offset, box))]
-    a, b = placements[m].core.ranges(box)[mesh.get_local_rank(m)]
-    return boxed.reshape(-1)[a:b]
 
 
 def _native_redistribute(spec: DTensorSpec):
@@ -600,7 +534,7 @@ def _get_tensor_shard(self, index):
     return _dcp.find(self._local_tensor, _ragged_chunks(self), index, index.fqn)
 
 
-# The hook of each torch function whose function object is rebound (hooks 1, 2 and 4).
+# The patch of each torch function whose function object is rebound (patches 1, 2 and 4).
 _REBOUND = {
     "redistribute_local_tensor": _redistribute_local_tensor,
     "distribute_tensor": _distribute_tensor,
@@ -613,8 +547,8 @@ _REBOUND = {
 # ---------------------------------------------------------------------------------------------------
 
 
-def _install_state_dict_hook() -> None:
-    """Wrap ``torch.distributed._state_dict_utils._distribute_tensors`` (idempotent).
+def _patch_state_dict_utils() -> None:
+    """Wrap ``torch.distributed._state_dict_utils._distribute_tensors``.
 
     ``set_model_state_dict(..., broadcast_from_rank0=True)`` broadcasts each full tensor, then copies
     the box torch computes for the placements into the local tensor; a RaggedShard local is a flat
@@ -622,7 +556,7 @@ def _install_state_dict_hook() -> None:
     """
     sd_utils = state_dict_utils()
     original = getattr(sd_utils, "_distribute_tensors", None)
-    if original is None or "_distribute_tensors" in _ORIGINAL:
+    if original is None:
         return  # a torch without this internal: broadcast_from_rank0 is torch's own business there
     _ORIGINAL["_distribute_tensors"] = original
 
@@ -645,5 +579,3 @@ def _install_state_dict_hook() -> None:
 
     sd_utils._distribute_tensors = _distribute_tensors
 
-
-register()

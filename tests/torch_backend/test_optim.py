@@ -3,7 +3,7 @@
 Multi-device cases run on torch's threaded process group (one thread per rank in this process, no fork,
 so it is safe after jax was imported) and are compared with the same optimizer on the full tensors in
 one process; the comm-count case runs on real gloo workers so ``CommDebugMode`` sees the collectives.
-Independent references: torch.optim.AdamW, numpy SVD (Newton-Schulz closed form), the core's block ids.
+Independent references: torch.optim.AdamW, numpy SVD (Newton-Schulz closed form), the core's tile ids.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import Launcher, assert_case, run_cases
 from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
 import ragged
 import ragged.muon
 import ragged.quant
-import torch_backend  # noqa: F401  (installs the DTensor hooks before distribute_tensor is used)
 from tests.numpy_references import assert_tracks_fp32_adamw, newton_schulz_closed_form
+from tests.torch_backend._dist import Launcher, assert_case, run_cases
 from torch_backend import RaggedShard
 from torch_backend.optim import Adam8bit, Muon, newton_schulz
 from torch_backend.optim._adam8bit import from_tiles, to_tiles
@@ -153,7 +152,7 @@ def test_adam8bit_rejects_a_layout_that_cuts_tiles_on_every_rank():
         assert "layers.0.attention.wq.weight" in msg and "tiles:32x32" in msg
 
 
-def test_placements_that_can_cut_blocks_are_rejected_naming_the_parameter():
+def test_placements_that_can_cut_tiles_are_rejected_naming_the_parameter():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -174,12 +173,12 @@ def test_placements_that_can_cut_blocks_are_rejected_naming_the_parameter():
 @pytest.mark.parametrize("shape,band", [((96, 64), 32 * 64), ((6, 40), 40), ((7,), 1)])
 def test_to_tiles_follows_the_core_tile_ids(shape, band):
     for start, stop in [(0, 3 * band), (band, 3 * band), (2 * band, 3 * band)]:
-        blocks = to_tiles(torch.arange(start, stop), shape, ragged.quant.TILE)
+        tiles = to_tiles(torch.arange(start, stop), shape, ragged.quant.TILE)
         ids = ragged.quant.tile_ids(shape, start, stop)
-        for b in range(blocks.shape[0]):
-            want = np.flatnonzero(ids == b) + start
-            assert sorted(blocks[b].tolist()) == want.tolist()
-        assert torch.equal(from_tiles(blocks, shape, ragged.quant.TILE), torch.arange(start, stop))
+        for t in range(tiles.shape[0]):
+            want = np.flatnonzero(ids == t) + start
+            assert sorted(tiles[t].tolist()) == want.tolist()
+        assert torch.equal(from_tiles(tiles, shape, ragged.quant.TILE), torch.arange(start, stop))
 
 
 def test_adam8bit_tracks_fp32_adamw_on_a_regression_problem():
@@ -235,7 +234,7 @@ def test_distributed_muon_equals_single_process_muon(world):
 
 # ----- both optimizers on fully_shard units ---------------------------------------------------------------
 class _Net(torch.nn.Module):
-    """Two tiled matrices, a norm and a bias: every kind of block the optimizers meet."""
+    """Two tiled matrices, a norm and a bias: every kind of tile the optimizers meet."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -311,13 +310,13 @@ def checks(rank: int, world: int) -> dict:
             with CommDebugMode() as comm:
                 opt.step()
             counts = {str(op): n for op, n in comm.get_comm_counts().items()}
-            roots = [opt.root(p) for p in live.values() if p.ndim == 2]
-            # sequential: one gather + one scatter per matrix; overlapped: one of each per root bucket
-            exchanges = matrices if not overlap else len(ragged.muon.ns_device_buckets(roots))
+            ns_devices = [opt.ns_device(p) for p in live.values() if p.ndim == 2]
+            # sequential: one gather + one scatter per matrix; overlapped: one of each per NS-device bucket
+            exchanges = matrices if not overlap else len(ragged.muon.ns_device_buckets(ns_devices))
             assert counts == {"c10d.alltoall_base_": 2 * exchanges}, (overlap, counts)
-        assert sorted(roots) == sorted(ragged.muon.assign_ns_devices(
+        assert sorted(ns_devices) == sorted(ragged.muon.assign_ns_devices(
             [ragged.muon.newton_schulz_flops(tuple(p.shape)) for p in live.values() if p.ndim == 2], world))
-        assert len(set(roots)) == min(world, matrices)  # spread over the devices
+        assert len(set(ns_devices)) == min(world, matrices)  # spread over the devices
 
     def adam8bit_counts() -> None:
         opt = _adam8bit(list(placed(ADAM_SPECS).items()))

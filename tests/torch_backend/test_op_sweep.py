@@ -11,21 +11,18 @@ state afterwards.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor as dtensor
-from _dist import Launcher, assert_case, run_cases
-from _ragged_cases import Case, cases, full, ragged_local
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import ragged
+from tests.torch_backend._dist import Launcher, assert_case, run_cases
+from tests.torch_backend._ragged_cases import Case, cases, full, ragged_local
 from torch_backend import RaggedShard, UnsupportedRaggedOp
 
 WORLDS = (3, 4)
@@ -397,34 +394,3 @@ _PAIRS = [(w, name) for w in WORLDS for name in _all_cases(0, w, None)]
 @pytest.mark.parametrize(("world", "case"), _PAIRS, ids=[f"w{w}-{n}" for w, n in _PAIRS])
 def test_op_sweep(world: int, case: str) -> None:
     assert_case(_run(world), case)
-
-
-_IMPORTED_FIRST = """
-import os, torch, torch.distributed as dist
-from torch.distributed.tensor import distribute_tensor, DTensor, zeros   # before torch_backend
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
-from torch.distributed.device_mesh import init_device_mesh
-dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + os.environ["PORT"])
-mesh = init_device_mesh("cpu", (1,))
-import torch_backend
-p = torch_backend.RaggedShard((0,), (2,))
-w = torch.arange(6.0).reshape(2, 3)
-x = distribute_tensor(w, mesh, [p])
-assert x.placements == (p,) and torch.equal(x.full_tensor(), w)
-assert zeros(2, 3, device_mesh=mesh, placements=[p]).placements == (p,)
-hook = redistribute_local_tensor.__kwdefaults__["_ragged_hook"]
-assert hook.__module__ == "torch_backend.placement._dtensor_hooks"
-print("ok")
-"""
-
-
-def test_ragged_shard_works_when_torch_names_were_imported_first() -> None:
-    from _dist import _free_port
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = os.environ | {"PORT": str(_free_port()), "PYTHONPATH": root}
-    done = subprocess.run(
-        [sys.executable, "-c", _IMPORTED_FIRST], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
-

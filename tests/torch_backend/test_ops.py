@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import Launcher, assert_case, run_cases
-from _ragged_cases import cases, full
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import ragged
+from tests.torch_backend._dist import Launcher, assert_case, run_cases
+from tests.torch_backend._ragged_cases import cases, full
 from torch_backend import RaggedShard
 
 WORLDS = (1, 2, 3, 4)

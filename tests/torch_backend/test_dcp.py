@@ -11,11 +11,11 @@ import functools
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist import assert_case, launch, run_cases
-from _ragged_cases import chunk_local, full, ragged_local, units_for
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from tests.torch_backend._dist import assert_case, launch, run_cases
+from tests.torch_backend._ragged_cases import chunk_local, full, ragged_local, units_for
 from torch_backend import RaggedShard
 
 # name -> (shape, dims, total units); saved with multinomial units at 4 ranks.

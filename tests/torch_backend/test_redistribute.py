@@ -11,13 +11,13 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import Launcher, assert_case, run_cases
-from _ragged_cases import cases, chunk_local, full, moved_elements, ragged_local
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import ragged
+from tests.torch_backend._dist import Launcher, assert_case, run_cases
+from tests.torch_backend._ragged_cases import cases, chunk_local, full, moved_elements, ragged_local
 from torch_backend import RaggedShard
 
 WORLDS = (1, 2, 3, 4)
@@ -111,11 +111,11 @@ def _layout_cases(rank: int, world: int, mesh) -> dict:
                 assert int(total) == moved_elements(t.numel(), c.units, other), (int(total), other)
 
         def whole(t=t, p=p, ref=ref):
-            for root in {0, world - 1}:
-                one = RaggedShard.whole_on(root, world)
-                on_root = distribute_tensor(t, mesh, [p]).redistribute(mesh, [one])
-                assert torch.equal(on_root.to_local(), t.reshape(-1) if rank == root else t.reshape(-1)[:0])
-                assert torch.equal(on_root.redistribute(mesh, [p]).to_local(), ref)
+            for device in {0, world - 1}:
+                one = RaggedShard.whole_on(device, world)
+                on_one = distribute_tensor(t, mesh, [p]).redistribute(mesh, [one])
+                assert torch.equal(on_one.to_local(), t.reshape(-1) if rank == device else t.reshape(-1)[:0])
+                assert torch.equal(on_one.redistribute(mesh, [p]).to_local(), ref)
 
         for fn in (distribute, replicate, shard, partial, other_units, whole):
             out[f"{c.name}:{fn.__name__}"] = fn
