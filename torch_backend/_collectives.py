@@ -4,7 +4,8 @@ The DBuffer's local shard is the all-gather input and the reduce-scatter output 
 packs or unpacks: each function is one ``torch.distributed`` call on a flat buffer (compare FSDP2's
 copy-in / copy-out around the same calls). Every call is issued asynchronously and returns a
 ``Pending``; ``Pending.wait()`` finishes it or raises a ``CollectiveError`` that names the collective,
-the unit and the rank, so a dead or failing peer never surfaces as an anonymous gloo/NCCL error.
+its label (what it moved: a unit, a Muon bucket, a redistribution) and the rank, so a dead or failing
+peer never surfaces as an anonymous gloo/NCCL error.
 
 On CUDA the caller issues inside ``side_stream(s)``: the collective runs after the current stream's
 work, and ``wait()`` makes the (then) current stream wait on an event recorded after it: explicit
@@ -28,7 +29,7 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names it, its unit and the rank."""
+    """A collective failed or timed out; the message names it, what it moved and the rank."""
 
 
 class Pending:
@@ -69,12 +70,12 @@ def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
         yield
 
 
-def _issue(kind: str, unit: str, group: dist.ProcessGroup, moved: torch.Tensor,
+def _issue(kind: str, label: str, group: dist.ProcessGroup, moved: torch.Tensor,
            call: Callable[[], dist.Work]) -> Pending:
     """Issue ``call`` now; on CUDA order the current stream after it and hand back an event instead."""
-    what = (f"{kind} of unit {unit!r} ({moved.numel()} x {moved.dtype} over {dist.get_world_size(group)} "
+    what = (f"{kind} of {label!r} ({moved.numel()} x {moved.dtype} over {dist.get_world_size(group)} "
             f"ranks) on rank {dist.get_rank()}")
-    record_collective(kind, unit, moved)
+    record_collective(kind, label, moved)
     try:
         work = call()
         if not moved.is_cuda:
@@ -85,30 +86,30 @@ def _issue(kind: str, unit: str, group: dist.ProcessGroup, moved: torch.Tensor,
         raise CollectiveError(f"{what} failed: {e}") from e
 
 
-def all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, unit: str) -> Pending:
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, label: str) -> Pending:
     """Gather every rank's ``shard`` into ``full`` (``world * shard.numel()`` elements, rank-major)."""
-    return _issue("all_gather", unit, group, full,
+    return _issue("all_gather", label, group, full,
                   lambda: all_gather_flat(full, shard, group=group, async_op=True))
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, *,
-                   unit: str) -> Pending:
+                   label: str) -> Pending:
     """Sum ``full`` over ranks and write this rank's slice into ``shard``."""
-    return _issue("reduce_scatter", unit, group, full,
+    return _issue("reduce_scatter", label, group, full,
                   lambda: reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, unit: str,
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str,
                op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
     """Reduce ``tensor`` in place over ``group`` (sum by default; HSDP: across replicas, after the
     reduce-scatter)."""
-    return _issue("all_reduce", unit, group, tensor,
+    return _issue("all_reduce", label, group, tensor,
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-               group: dist.ProcessGroup, *, unit: str) -> Pending:
+               group: dist.ProcessGroup, *, label: str) -> Pending:
     """Send ``inp``'s ``in_splits[d]`` elements to rank ``d``; receive ``out_splits[s]`` from rank ``s``
-    into ``out`` (rank-major). ``unit`` names what moves (a redistribution, a Muon bucket)."""
-    return _issue("all_to_all", unit, group, out,
+    into ``out`` (rank-major). ``label`` names what moves (a unit, a redistribution, a Muon bucket)."""
+    return _issue("all_to_all", label, group, out,
                   lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True))

@@ -24,7 +24,7 @@ class DebugCounter:
     """Tallies of one recording window.
 
     Attributes:
-        calls: collectives issued, keyed by ``(kind, unit name)``.
+        calls: collectives issued, keyed by ``(kind, label)`` (a unit's name, or what else moved).
         bytes: bytes moved by collectives, keyed by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``).
         copy_bytes: bytes the runtime copied outside collectives (same dtype).
         cast_bytes: bytes the runtime wrote while changing dtype (mixed precision only).
@@ -38,9 +38,9 @@ class DebugCounter:
     cast_bytes: int = 0
     wait_seconds: float = 0.0
 
-    def per_unit(self, kind: str) -> dict[str, int]:
-        """Collectives of ``kind`` issued, per unit name."""
-        return {unit: n for (k, unit), n in self.calls.items() if k == kind}
+    def per_label(self, kind: str) -> dict[str, int]:
+        """Collectives of ``kind`` issued, per label (a unit's name, ``"clip_grad_norm_"``, ...)."""
+        return {label: n for (k, label), n in self.calls.items() if k == kind}
 
 
 @contextmanager
@@ -54,9 +54,9 @@ def debug_counter() -> Iterator[DebugCounter]:
         _ACTIVE.remove(counter)
 
 
-def record_collective(kind: str, unit: str, tensor: torch.Tensor) -> None:
+def record_collective(kind: str, label: str, tensor: torch.Tensor) -> None:
     for c in _ACTIVE:
-        c.calls[(kind, unit)] += 1
+        c.calls[(kind, label)] += 1
         c.bytes[kind] += tensor.numel() * tensor.element_size()
 
 

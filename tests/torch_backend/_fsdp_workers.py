@@ -152,8 +152,8 @@ def _counter(mesh) -> dict:
         with debug_counter() as c:
             _train(model, opt, range(2, 3), mesh.get_rank(), mesh.size())
         out[f"reshard={reshard}"] = {
-            "all_gather": c.per_unit("all_gather"), "reduce_scatter": c.per_unit("reduce_scatter"),
-            "all_reduce": c.per_unit("all_reduce"), "copy_bytes": c.copy_bytes, "cast_bytes": c.cast_bytes,
+            "all_gather": c.per_label("all_gather"), "reduce_scatter": c.per_label("reduce_scatter"),
+            "all_reduce": c.per_label("all_reduce"), "copy_bytes": c.copy_bytes, "cast_bytes": c.cast_bytes,
             "bytes": dict(c.bytes), "units": [u.name for u in units(model)],
             "padded_numel": {u.name: u.layout.total_numel for u in units(model)},
         }

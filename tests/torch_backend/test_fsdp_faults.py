@@ -37,8 +37,8 @@ def test_survivor_names_the_collective_within_the_timeout(tmp_path, how):
     assert error is not None and error.startswith("CollectiveError"), error
     # the unit's all-gather or reduce-scatter, or the check that precedes a unit's forward
     unit = r"(tok_embeddings|layers\.\d|output)"
-    collective = rf"(all_gather|reduce_scatter) of unit '{unit}'"
-    check = rf"all_reduce of unit '(forward|backward|reduce-scatter) of {unit} \(check\)'"  # before each
+    collective = rf"(all_gather|reduce_scatter) of '{unit}'"
+    check = rf"all_reduce of '(forward|backward|reduce-scatter) of {unit} \(check\)'"  # before each
     assert re.search(rf"({collective}|{check}) .* on rank 0", error), error
     assert survivor["seconds"] < PG_TIMEOUT_S + 2
     if how == "hang":  # nothing closed a connection: the process group's timeout ended the wait

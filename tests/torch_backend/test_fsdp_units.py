@@ -158,7 +158,7 @@ def test_debug_counter_times_the_collective_waits(mesh):
         pass
     with debug_counter() as c:
         cross_entropy(model(x), x).backward()
-    assert c.per_unit("all_gather") and c.per_unit("reduce_scatter")
+    assert c.per_label("all_gather") and c.per_label("reduce_scatter")
     assert c.wait_seconds > 0 and idle.wait_seconds == 0
 
 

@@ -389,7 +389,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     if not live:
         return torch.zeros(())
     total = torch.stack([u.main_grad.norm(norm_type) ** norm_type for u in live]).sum()
-    all_reduce(total, live[0].shard_group, unit="clip_grad_norm_").wait()
+    all_reduce(total, live[0].shard_group, label="clip_grad_norm_").wait()
     total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for u in live:

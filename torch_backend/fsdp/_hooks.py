@@ -280,7 +280,7 @@ class RootContext:
         seen = torch.tensor([code, -code], dtype=torch.int64, device=unit.master.shard.device)
         for group in (unit.shard_group, unit.replicate_group):
             if group is not None:
-                all_reduce(seen, group, unit=f"{_EVENTS[event]} of {unit.name} (check)",
+                all_reduce(seen, group, label=f"{_EVENTS[event]} of {unit.name} (check)",
                            op=dist.ReduceOp.MAX).wait()
         high, low = seen[0].item(), -seen[1].item()
         if high != low:
@@ -355,7 +355,7 @@ class RootContext:
             used = torch.cat(masks)
             for group in (shard_group, replicate_group):
                 if group is not None:
-                    all_reduce(used, group, unit="landed gradients", op=dist.ReduceOp.MAX).wait()
+                    all_reduce(used, group, label="landed gradients", op=dist.ReduceOp.MAX).wait()
             for u, part in zip(units, used.split([len(m) for m in masks])):
                 u.end_backward(part)
         for s in self.states:

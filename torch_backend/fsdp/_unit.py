@@ -218,7 +218,7 @@ class Unit:
             # now and restore it once the collective is done (gloo bumps it when the work completes).
             self._keep_version = preserve_version_counter(self.compute.full)
             self._pending_all_gather = all_gather(self.compute.full, self.compute.shard, self.shard_group,
-                                                  unit=self.name)
+                                                  label=self.name)
         if not async_op:
             self.wait_for_unshard()
 
@@ -336,7 +336,7 @@ class Unit:
             self._reduce_out = self.main_grad.shard if direct else torch.empty(
                 self.layout.shard_size, dtype=self.reduce.dtype, device=self.main_grad.shard.device)
             self._pending_reduce = reduce_scatter(self._reduce_out, self.reduce.full, self.shard_group,
-                                                  unit=self.name)
+                                                  label=self.name)
         return True
 
     def landed_mask(self) -> torch.Tensor:
@@ -373,7 +373,7 @@ class Unit:
         pending.wait()
         out = self._reduce_out
         if self.replicate_group is not None:
-            all_reduce(out, self.replicate_group, unit=self.name).wait()
+            all_reduce(out, self.replicate_group, label=self.name).wait()
         out.div_(self.world)
         if out is not self.main_grad.shard:
             if self._accumulate_into_grads:

@@ -88,15 +88,15 @@ def split_newton_schulz(rows: torch.Tensor, shape: tuple[int, int], group: dist.
     x = (block.T if tall else _rows_to_columns(block, g, group, what)).to(dtype)  # (m, n/g)
     m = x.shape[0]
     norm_sq = x.float().square().sum().reshape(1)
-    all_reduce(norm_sq, group, unit=what).wait()
+    all_reduce(norm_sq, group, label=what).wait()
     x = x / (norm_sq.sqrt().to(dtype).squeeze() + eps)  # a 0-d norm in dtype, as newton_schulz's x.norm()
     poly = x.new_empty(m, m)
     for _ in range(steps):
         gram = (x @ x.T).float()
-        all_reduce(gram, group, unit=what).wait()
+        all_reduce(gram, group, label=what).wait()
         gram = gram.to(dtype)
         own = gram[i * m // g:(i + 1) * m // g]
-        all_gather(poly, b * own + c * own @ gram, group, unit=what).wait()
+        all_gather(poly, b * own + c * own @ gram, group, label=what).wait()
         x = a * x + poly @ x
     x = x.float()
     return (x.T if tall else _columns_to_rows(x, g, group, what)).reshape(-1)
@@ -122,5 +122,5 @@ def _swap(send: torch.Tensor, group: dist.ProcessGroup, what: str) -> torch.Tens
     send = send.contiguous()
     out = torch.empty_like(send)
     splits = [send[0].numel()] * send.shape[0]
-    all_to_all(out.view(-1), send.view(-1), splits, splits, group, unit=what).wait()
+    all_to_all(out.view(-1), send.view(-1), splits, splits, group, label=what).wait()
     return out

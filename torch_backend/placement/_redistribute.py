@@ -172,7 +172,7 @@ def start_all_to_all(
             else flat.new_empty(0)
         )
         recv_buf = flat.new_empty(sum(out_splits))
-        pending = all_to_all(recv_buf, send_buf, out_splits, in_splits, group, unit=what)
+        pending = all_to_all(recv_buf, send_buf, out_splits, in_splits, group, label=what)
 
     def finish() -> torch.Tensor:
         pending.wait()
