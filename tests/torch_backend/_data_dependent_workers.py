@@ -136,12 +136,20 @@ def against(reference: tuple[list[float], dict], losses: list[float], params: di
             "params": rel_errors(params, want_params)}
 
 
-def _routed(mesh, rank: int, world: int) -> dict:
-    """Blocks, the aux head and the root as units; each rank trains on its rows."""
+def _routed(mesh, rank: int, world: int, reentrant: bool | None = None) -> dict:
+    """Blocks, the aux head and the root as units; each rank trains on its rows. ``reentrant``: the
+    blocks run under activation checkpointing (torch.utils.checkpoint, that mode; None: without)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
     from torch_backend import fully_shard
 
     plain = build()
     model = copy.deepcopy(plain)
+    if reentrant is not None:
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=reentrant)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model.aux, mesh=mesh)
@@ -243,6 +251,10 @@ def checks(rank: int, world: int) -> dict:
     run("routed", lambda: _routed(mesh, rank, world))
     if world == 4:
         run("routed_hsdp", lambda: _routed(init_device_mesh("cpu", (2, 2)), rank, world))
+    if world == 2:
+        for reentrant in (False, True):
+            case = f"routed_checkpointed_reentrant={reentrant}"
+            run(case, lambda r=reentrant: _routed(mesh, rank, world, r))
     run("switch", lambda: _switch_transformers(mesh, rank, world))
     run("experts_as_units", lambda: _refused(mesh, rank, world, experts_as_units=True))
     run("aux_without_gradient", lambda: _refused(mesh, rank, world, experts_as_units=False))

@@ -51,6 +51,12 @@ def test_routed_under_hsdp_2x2_trains_like_single_process():
     assert r["loss"] <= FP32_RTOL and r["params"] <= FP32_RTOL, r
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_routed_under_activation_checkpointing_trains_like_single_process(reentrant):
+    r = result(2, f"routed_checkpointed_reentrant={reentrant}")
+    assert r["loss"] <= FP32_RTOL and r["params"] <= FP32_RTOL, r
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_huggingface_switch_transformers_trains_like_single_process(world):
     pytest.importorskip("transformers")
