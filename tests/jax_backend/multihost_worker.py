@@ -28,10 +28,10 @@ def main() -> None:
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
                                initialization_timeout=60)
     from flax import nnx
-    from jax_reference import BATCH, SEQ, STEPS, run_fsdp
 
     from jax_backend import make_mesh, save_neutral_checkpoint
     from jax_backend.models import Llama, parallelize
+    from tests.jax_backend.jax_reference import BATCH, SEQ, STEPS, run_fsdp
 
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     import numpy as np

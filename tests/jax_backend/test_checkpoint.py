@@ -11,7 +11,8 @@ from flax import nnx
 import jax_backend
 import ragged
 import torch_backend
-from jax_backend import LayoutMismatchError, fqn, full_params, make_mesh, shard_params
+from jax_backend import LayoutMismatchError, full_params, make_mesh, shard_params
+from jax_backend._names import fqn
 from jax_backend.models import Llama, parallelize
 from ragged import plan_model
 from torch_backend.models import Llama as TorchLlama
