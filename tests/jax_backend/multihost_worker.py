@@ -1,10 +1,11 @@
-"""One process of the two-process multi-host test (started by test_jax_multihost.py with subprocess).
+"""One process of the two-process multi-host test (started by test_multihost.py with subprocess).
 
 Each process owns 2 host CPU devices; ``jax.distributed.initialize`` joins them into one 4-device mesh, and
 CPU collectives across processes go through gloo. The run trains llama-tiny like the single-device
 reference and saves a neutral checkpoint (process 0 writes) plus the losses.
 
-Usage: python multihost_worker.py PROCESS_ID PORT OUT_DIR
+Usage, with the repository root on PYTHONPATH:
+    python tests/jax_backend/multihost_worker.py PROCESS_ID PORT OUT_DIR
 """
 
 import os
