@@ -4,7 +4,7 @@ The matrices of ``experiments._muon_case`` (the same as the torch half) are opti
 values with the same gradients by
 
 - ours, sequential / overlapped: ``scale_by_muon(plan=muon_plan(layouts, "fsdp", in_flight=None / k))`` on
-  the FSDP unit shards, inside one jitted ``shard_map`` step (each matrix gathered to its root by the
+  the FSDP unit shards, inside one jitted ``shard_map`` step (each matrix gathered to its NS device by the
   core's plan, Newton-Schulz there only, scattered back);
 - the GSPMD workaround a JAX user runs today: every parameter sharded ``P("fsdp", None)`` under ``jit``,
   each momentum constrained to fully replicated (an all-gather of every matrix on every device),
@@ -14,9 +14,9 @@ values with the same gradients by
 Each round runs one optimizer step of every variant (the order rotates from round to round), so machine
 load hits all alike; step times are medians over the rounds after warm-up rounds, and the ratio is the
 median of the per-round ratios against the workaround. Bytes: what each device receives per step, from the
-core's transfer plans (ours: ``ragged.transfers`` to and from the root; the workaround: from its row shards to
-replicated), and the collectives of each compiled program (HLO). Memory: ``memory_analysis()`` of each
-compiled program (per device). Equality: the parameters after all rounds, against single-device Muon.
+core's transfer plans (ours: ``ragged.transfers`` to and from the NS device; the workaround: from its row
+shards to replicated), and the collectives of each compiled program (HLO). Memory: ``memory_analysis()`` of
+each compiled program (per device). Equality: the parameters after all rounds, against single-device Muon.
 
 Run it in a process of its own (XLA reads its flags when jax is imported; ``muon_bench`` launches it):
 
@@ -62,7 +62,8 @@ import ragged.muon  # noqa: E402
 from experiments._hlo import collective_bytes, memory  # noqa: E402
 from experiments._muon_case import LR, MOMENTUM, matrices  # noqa: E402
 from experiments._muon_case import layouts as plan_layouts  # noqa: E402
-from jax_backend import full_params, make_mesh, shard_map, shard_params  # noqa: E402
+from jax_backend import full_params, make_mesh, shard_params  # noqa: E402
+from jax_backend._compat import shard_map  # noqa: E402
 from jax_backend.optim import muon_plan, newton_schulz, scale_by_muon  # noqa: E402
 
 AXIS = "fsdp"
@@ -139,7 +140,7 @@ def received_bytes(layouts, world: int, in_flight: int) -> dict[str, int]:
     for lay in layouts:
         for m in plan.matrices[lay.name]:
             pieces = ragged.ragged_holdings(lay.placement(m.name), m.shape, m.name)
-            whole = ragged.ragged_holdings(ragged.RaggedShard.whole_on(m.root, world), m.shape, m.name)
+            whole = ragged.ragged_holdings(ragged.RaggedShard.whole_on(m.ns_device, world), m.shape, m.name)
             for t in ragged.transfers(pieces, whole) + ragged.transfers(whole, pieces):
                 ours[t.dst] += 4 * t.length * (t.src != t.dst)
     gspmd = np.zeros(world, np.int64)

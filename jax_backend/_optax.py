@@ -37,7 +37,15 @@ from jax.sharding import PartitionSpec as P
 
 from jax_backend._buffers import LayoutMismatchError, full_params
 from jax_backend._names import fqn
-from jax_backend._pieces import CALLS, ELEMENTWISE, Evaluator, Fill, Piece, UnsupportedOptimizerError, windows
+from jax_backend._pieces import (
+    CALLS,
+    ELEMENTWISE,
+    Evaluator,
+    Fill,
+    UnsupportedOptimizerError,
+    Windowed,
+    windows,
+)
 from ragged import Layout
 
 
@@ -49,7 +57,7 @@ def on_shards(tx: optax.GradientTransformation) -> OnShards:
     """Mark ``tx`` as layout-aware: it takes the step's ``{unit: shard}`` dict and knows the Layouts itself.
 
     For ``jax_backend.optim.adamw8bit(..., tiles=shard_tiles(...))`` and ``muon(..., plan=muon_plan(...))``,
-    whose block ids and Newton-Schulz roots come from the core's tables, not from the params pytree.
+    whose tile ids and NS devices come from the core's tables, not from the params pytree.
     """
     return OnShards(tx.init, tx.update)
 
@@ -167,7 +175,7 @@ class _Traced:
         rest = []
         for leaf, aval, out in zip(self.leaves, self.state_avals, outs):
             if leaf.slot is None:
-                if isinstance(out, Piece):
+                if isinstance(out, Windowed):
                     raise UnsupportedOptimizerError(
                         f"a state leaf of shape {aval.shape} holds values of parameter "
                         f"{self.names[out.param]} but does not mirror it in the params pytree; keep such "
@@ -238,7 +246,7 @@ def _on_pieces(tx: optax.GradientTransformation, traced: _Traced, params: Any, w
             traced_for[key] = _Traced(tx, jax.tree_util.tree_unflatten(treedef, typed))
         return traced_for[key], Evaluator(wins, traced_for[key].names, axis)
 
-    def read(ev: Evaluator, shards: Mapping[str, jax.Array]) -> list[Piece]:
+    def read(ev: Evaluator, shards: Mapping[str, jax.Array]) -> list[Windowed]:
         return [ev.read(shards[w.unit], i) for i, w in enumerate(wins)]
 
     def init(local: Mapping[str, jax.Array]) -> ShardedState:

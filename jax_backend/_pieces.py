@@ -8,7 +8,7 @@ number comes from the core ``Layout``; the per-device ones are small tables inde
 
 ``Evaluator.run`` walks the jaxpr with three kinds of values:
 
-- ``Piece(i, (size,))``: the device's window of a full-shape value derived from parameter ``i`` (its
+- ``Windowed(i, (size,))``: the device's window of a full-shape value derived from parameter ``i`` (its
   gradient, its state, itself); values outside the mask are never read by a reduction or written back;
 - ``Fill(scalar, shape)``: a full-shape constant (``zeros_like``, a broadcast mask), kept as its scalar so
   that no device materialises a whole parameter;
@@ -100,8 +100,9 @@ def windows(layouts: Sequence[Layout]) -> dict[str, Window]:
     return out
 
 
-class Piece(NamedTuple):
-    """The device's window ``(size,)`` of a full-shape value derived from parameter ``param``."""
+class Windowed(NamedTuple):
+    """A full-shape value derived from parameter ``param``, held as the device's window ``(size,)`` of it
+    (the core's ``Piece`` is the part of a tensor a device holds; the window covers it)."""
 
     param: int
     value: jax.Array
@@ -146,9 +147,9 @@ class Evaluator:
             self._valid[i] = (k >= lo) & (k < lo + length)
         return self._valid[i]
 
-    def read(self, shard: jax.Array, i: int) -> Piece:
+    def read(self, shard: jax.Array, i: int) -> Windowed:
         """Parameter ``i``'s window of its unit's local shard ``(S,)``."""
-        return Piece(i, lax.dynamic_slice(shard, (self.row[i, 0],), (self.windows[i].size,)))
+        return Windowed(i, lax.dynamic_slice(shard, (self.row[i, 0],), (self.windows[i].size,)))
 
     def write(self, shard: jax.Array, i: int, value: Any) -> jax.Array:
         """``shard`` with parameter ``i``'s piece replaced by that of ``value`` (full-shape, any kind)."""
@@ -160,7 +161,7 @@ class Evaluator:
     def window(self, i: int, x: Any, what: str = "") -> Any:
         """``x`` (a value of parameter ``i``'s full shape, or a scalar) as parameter ``i``'s window."""
         w = self.windows[i]
-        if isinstance(x, Piece):
+        if isinstance(x, Windowed):
             if x.param != i:
                 raise UnsupportedOptimizerError(
                     f"the optimizer combines values of parameters {self.names[x.param]} and {self.names[i]} "
@@ -193,14 +194,14 @@ class Evaluator:
 
     def _eqn(self, eqn: Any, ins: list) -> list:
         name = eqn.primitive.name
-        owners = sorted({x.param for x in ins if isinstance(x, Piece)})
+        owners = sorted({x.param for x in ins if isinstance(x, Windowed)})
         lazy = owners or any(isinstance(x, Fill) for x in ins)
         if name in CALLS and CALLS[name] in eqn.params and lazy:
             sub = eqn.params[CALLS[name]]
             return self.run(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), ins)
         if name in _ANNOTATIONS and lazy:
             return list(ins)
-        if name == "cond" and lazy and not isinstance(ins[0], Piece):
+        if name == "cond" and lazy and not isinstance(ins[0], Windowed):
             return self._cond(eqn, ins)
         out_shape = tuple(eqn.outvars[0].aval.shape)
         if not owners:
@@ -219,7 +220,7 @@ class Evaluator:
         i = owners[0]
         in_avals = [v.aval for v in eqn.invars]
         if name in ELEMENTWISE:
-            return [Piece(i, out) for out in _bind(eqn, [self.window(i, x, what) for x in ins])]
+            return [Windowed(i, out) for out in _bind(eqn, [self.window(i, x, what) for x in ins])]
         if name in _RESHAPES and self._keeps_flat_order(eqn, in_avals[0]):
             return [ins[0]]
         if name in _REDUCTIONS and tuple(eqn.params.get("axes", ())) == tuple(range(len(in_avals[0].shape))):
@@ -248,10 +249,10 @@ class Evaluator:
         branches = [self.run(b.jaxpr, b.consts, operands) for b in eqn.params["branches"]]
         outs = []
         for results, var in zip(zip(*branches), eqn.outvars):
-            owner = next((x.param for x in results if isinstance(x, Piece)), None)
+            owner = next((x.param for x in results if isinstance(x, Windowed)), None)
             if owner is not None:
                 windows = [self.window(owner, x, " in `cond`") for x in results]
-                outs.append(Piece(owner, lax.select_n(index, *(jnp.broadcast_to(w, windows[0].shape)
+                outs.append(Windowed(owner, lax.select_n(index, *(jnp.broadcast_to(w, windows[0].shape)
                                                                for w in windows))))
             elif all(isinstance(x, Fill) for x in results):
                 outs.append(Fill(lax.select_n(index, *(x.value for x in results)), tuple(var.aval.shape)))

@@ -1,4 +1,4 @@
-"""Move one tensor between its ragged pieces and a whole copy (on one root device, or on every device).
+"""Move one tensor between its ragged pieces and a whole copy (on one device, or on every device).
 
 For Muon-style optimizers: the update of a matrix needs the whole matrix, but FSDP leaves it in ragged
 pieces across the unit shards. These functions run inside ``shard_map`` on a unit's local shard ``(S,)``
@@ -7,9 +7,9 @@ and execute the core's interval plans (``ragged.transfers`` between ``ragged_hol
 
 - to every device: one ``all_gather`` of the static window that covers every device's piece, then static
   slices (the plan says which slice of which row goes where);
-- to one root, and back from it: one ``ppermute`` per transfer between two devices (static size, a single
-  source/destination pair), plus local copies; ``ragged_all_to_all`` would batch these where a backend has
-  it, but it is not implemented on CPU;
+- to one device (Muon's NS device), and back from it: one ``ppermute`` per transfer between two devices
+  (static size, a single source/destination pair), plus local copies; ``ragged_all_to_all`` would batch
+  these where a backend has it, but it is not implemented on CPU;
 - to row blocks on some devices (``gather_rows`` / ``scatter_rows``, a ``RaggedShard`` over dim 0: split
   Newton-Schulz): the same, with the core's plan to that placement.
 
@@ -58,35 +58,36 @@ def _execute(plan: tuple[Transfer, ...], src: jax.Array, dst: jax.Array, src_bas
     return dst
 
 
-def _check(local: jax.Array, layout: Layout, name: str, root: int | None) -> None:
+def _check(local: jax.Array, layout: Layout, name: str, device: int | None) -> None:
     layout.slot(name)  # KeyError naming the tensor and the unit
     if local.shape != (layout.shard_size,):
         raise ValueError(f"{name}: local shard has shape {local.shape}, unit {layout.name!r} has "
                          f"({layout.shard_size},) per device (call inside shard_map on the unit's shard)")
-    if root is not None and not 0 <= root < layout.world_size:
-        raise ValueError(f"{name}: root {root} is outside the {layout.world_size} devices")
+    if device is not None and not 0 <= device < layout.world_size:
+        raise ValueError(f"{name}: device {device} is outside the {layout.world_size} devices")
 
 
 def gather_tensor(local: jax.Array, layout: Layout, name: str, axis: str, *,
-                  root: int | None = None) -> jax.Array:
+                  device: int | None = None) -> jax.Array:
     """Tensor ``name`` whole, from its pieces in the unit's local shards (inside ``shard_map``).
 
     Args:
         local: this device's shard of the unit buffer, ``(S,)``.
         layout: the unit's Layout; name: the tensor's FQN; axis: the mesh axis the unit is sharded over.
-        root: the device that receives the tensor; ``None`` gives it to every device.
+        device: the device (its index along ``axis``) that receives the tensor; ``None`` gives it to every
+            device.
 
     Returns:
-        The tensor with its shape: correct on ``root`` (zeros on the other devices), or on every device.
+        The tensor with its shape: correct on ``device`` (zeros on the other devices), or on every device.
 
     Raises:
-        KeyError: ``name`` is not in the unit. ValueError: a local shard of the wrong size or a bad root.
+        KeyError: ``name`` is not in the unit. ValueError: a local shard of the wrong size or a bad device.
     """
-    _check(local, layout, name, root)
+    _check(local, layout, name, device)
     slot, pieces = layout.slot(name), _pieces(layout, name)
-    if root is not None:
+    if device is not None:
         flat = jnp.zeros(slot.numel, local.dtype)
-        plan = _plan(layout, name, RaggedShard.whole_on(root, layout.world_size), gather=True)
+        plan = _plan(layout, name, RaggedShard.whole_on(device, layout.world_size), gather=True)
         flat = _execute(plan, local, flat, pieces, {}, axis)
         return flat.reshape(slot.shape)
     plan = [t for t in _plan(layout, name, None, gather=True) if t.dst == 0]  # every device gets the same
@@ -99,11 +100,12 @@ def gather_tensor(local: jax.Array, layout: Layout, name: str, axis: str, *,
 
 
 def scatter_tensor(full: jax.Array, local: jax.Array, layout: Layout, name: str, axis: str, *,
-                   root: int | None = None) -> jax.Array:
+                   device: int | None = None) -> jax.Array:
     """Write the whole tensor ``full`` back into each device's piece of ``local`` (inside ``shard_map``).
 
     Args:
-        full: the tensor, read on ``root`` only (or on every device when ``root`` is None: no communication).
+        full: the tensor, read on ``device`` only (or on every device when ``device`` is None: no
+            communication).
         local: this device's shard of the unit buffer ``(S,)``; everything outside the piece is kept.
 
     Returns:
@@ -112,11 +114,11 @@ def scatter_tensor(full: jax.Array, local: jax.Array, layout: Layout, name: str,
     Raises:
         KeyError / ValueError: as ``gather_tensor``, or ``full`` without the tensor's shape.
     """
-    _check(local, layout, name, root)
+    _check(local, layout, name, device)
     slot = layout.slot(name)
     if tuple(full.shape) != slot.shape:
         raise ValueError(f"{name}: full tensor has shape {tuple(full.shape)}, the layout has {slot.shape}")
-    plan = _plan(layout, name, None if root is None else RaggedShard.whole_on(root, layout.world_size),
+    plan = _plan(layout, name, None if device is None else RaggedShard.whole_on(device, layout.world_size),
                  gather=False)
     return _execute(plan, full.reshape(-1).astype(local.dtype), local, {}, _pieces(layout, name), axis)
 

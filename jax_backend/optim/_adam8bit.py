@@ -1,18 +1,23 @@
-"""8-bit blockwise Adam(W) as optax transformations, with 32x32 quantization tiles that never cross devices.
+"""8-bit Adam(W) as optax transformations, with 32x32 quantization tiles that never cross devices.
 
 Every element of every leaf belongs to one quantization tile (``ragged.quant.tile_ids``): the 32x32 tiles of
-a matrix the tile divides, one row of another matrix, one element of a 1-D tensor (whose state so stays at
-full precision). Quantization uses the core's dynamic codebooks (``ragged.quant.codebook``, the table the
-torch ``Adam8bit`` loads): one fp32 absmax scale per block (a segment max over the tile ids) and a uint8
-code per element, the nearest entry of - ``SIGNED`` for the first moment ``m``; - ``UNSIGNED`` for
-``sqrt(v)``, the square root of the second moment (``v = (entry * scale) ** 2``). Each step dequantizes,
-updates ``m`` and ``v`` in fp32, takes Adam's direction from the fp32 values and stores the requantized
-moments. The float32 operations on the moments are the torch optimizer's, in its order, so both stacks store
-the same codes from the same gradients (tested bit for bit). Tiles of a leaf come from its ``tiles`` entry:
-``WholeTiles`` (default: the leaf is a whole tensor) or ``ShardTiles`` (the leaf is an FSDP unit's local
-shard inside ``shard_map``: the core's static ``PieceTable`` of every device, indexed by ``lax.axis_index``,
-so one trace serves all devices). Tiles are local by construction (granularity
-``ragged.quant.tile_granularity``), so no scale or code ever crosses devices.
+a matrix the tile divides, one row of another matrix, one element of a 1-D tensor (whose state so stays
+at full precision). Quantization uses the core's dynamic codebooks (``ragged.quant.codebook``, the table the
+torch ``Adam8bit`` loads): one fp32 absmax scale per tile (a segment max over the tile ids) and a uint8
+code per element, the nearest entry of
+
+- ``SIGNED`` for the first moment ``m``;
+- ``UNSIGNED`` for ``sqrt(v)``, the square root of the second moment (``v = (entry * scale) ** 2``).
+
+Each step dequantizes, updates ``m`` and ``v`` in fp32, takes Adam's direction from the fp32 values and
+stores the requantized moments. The float32 operations on the moments are the torch optimizer's, in its
+order, so both stacks store the same codes from the same gradients (tested bit for bit).
+
+Tiles of a leaf come from its ``tiles`` entry: ``WholeTiles`` (default: the leaf is a whole tensor) or
+``ShardTiles`` (the leaf is an FSDP unit's local shard inside ``shard_map``: the core's static
+``PieceTable`` of every device, indexed by ``lax.axis_index``, so one trace serves all devices). Tiles
+are local by construction (granularity ``ragged.quant.tile_granularity``), so no scale or code ever
+crosses devices.
 """
 
 from __future__ import annotations
@@ -36,10 +41,10 @@ Tile = tuple[int, int]
 _ZERO_M = int(SIGNED.values.searchsorted(0.0))  # the code of 0 (UNSIGNED: code 0)
 
 
-# ----- which block each element belongs to ---------------------------------------------------------
+# ----- which tile each element belongs to ----------------------------------------------------------
 @dataclass(frozen=True)
 class WholeTiles:
-    """Blocks of a leaf that is a whole tensor of ``shape`` (on one device, or replicated)."""
+    """Tiles of a leaf that is a whole tensor of ``shape`` (on one device, or replicated)."""
 
     shape: tuple[int, ...]
     tile: Tile = ragged.quant.TILE
@@ -71,10 +76,10 @@ def piece_of(offset: jax.Array, length: jax.Array, size: int) -> tuple[jax.Array
 
 @dataclass(frozen=True)
 class ShardTiles:
-    """Blocks of one FSDP unit's local shard ``(S,)``, for use inside ``shard_map`` over ``axis``.
+    """Tiles of one FSDP unit's local shard ``(S,)``, for use inside ``shard_map`` over ``axis``.
 
     ``table`` is the core's ``PieceTable`` (a few ints per piece and device); each device picks its row
-    with ``lax.axis_index`` and derives every element's tile id, padding in the spare block.
+    with ``lax.axis_index`` and derives every element's tile id, padding in the spare tile.
     """
 
     table: ragged.quant.PieceTable
@@ -83,15 +88,15 @@ class ShardTiles:
 
     @property
     def count(self) -> int:
-        return self.table.count + 1  # the spare block collects padding
+        return self.table.count + 1  # the spare tile collects padding
 
     def ids(self) -> jax.Array:
         t = self.table
         offset, length, first, width, rows, cols = (jnp.asarray(a)[lax.axis_index(self.axis)] for a in t[:6])
         k, j, inside = piece_of(offset, length, self.shard_size)
         w = width[k]
-        block = first[k] + (j // w // rows[k]) * (w // cols[k]) + (j % w) // cols[k]  # ragged.quant.tile_ids
-        return jnp.where(inside, block, t.count)
+        tile = first[k] + (j // w // rows[k]) * (w // cols[k]) + (j % w) // cols[k]  # ragged.quant.tile_ids
+        return jnp.where(inside, tile, t.count)
 
 
 def shard_tiles(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.quant.TILE
@@ -108,14 +113,14 @@ def shard_tiles(layouts: Sequence[Layout], axis: str, tile: Tile = ragged.quant.
 
 # ----- quantization over tile ids -------------------------------------------------------------------
 def quantize(x: jax.Array, ids: jax.Array, count: int, book: Codebook) -> tuple[jax.Array, jax.Array]:
-    """Flat fp32 values -> uint8 codes (nearest ``book`` entry of ``x / absmax``) and one scale per block."""
+    """Flat fp32 values -> uint8 codes (nearest ``book`` entry of ``x / absmax``) and one scale per tile."""
     scale = jnp.maximum(jax.ops.segment_max(jnp.abs(x), ids, num_segments=count), 0.0)  # empty: -inf
     unit = x / jnp.where(scale > 0, scale, 1.0)[ids]
     return jnp.searchsorted(jnp.asarray(book.thresholds), unit, side="right").astype(jnp.uint8), scale
 
 
 def dequantize(codes: jax.Array, scale: jax.Array, ids: jax.Array, book: Codebook) -> jax.Array:
-    """``book.values[codes] * scale`` per element's block."""
+    """``book.values[codes] * scale`` per element's tile."""
     return jnp.asarray(book.values)[codes.astype(jnp.int32)] * scale[ids]
 
 
@@ -131,7 +136,7 @@ def _product(x: jax.Array, factor: float) -> jax.Array:
 
 # ----- the transform ---------------------------------------------------------------------------------
 class ScaleByAdam8bitState(NamedTuple):
-    """State of ``scale_by_adam8bit``: per leaf, flat 8-bit codes and one fp32 scale per block."""
+    """State of ``scale_by_adam8bit``: per leaf, flat 8-bit codes and one fp32 scale per tile."""
 
     count: jax.Array  # () int32: steps taken
     m_codes: Any  # per leaf (n,) uint8

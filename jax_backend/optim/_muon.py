@@ -6,12 +6,12 @@ when rows > cols), scaled by ``sqrt(max(1, rows / cols))``. ``muon`` chains it w
 learning rate for 2-D leaves and uses AdamW for the others.
 
 Distributed (``plan=muon_plan(layouts, axis)``): the leaves are FSDP unit shards ``(S,)`` inside
-``shard_map``. Momentum runs on the local shard; each matrix is gathered to its load-balanced root
-(``ragged.muon.assign_ns_devices``) with ``gather_tensor(..., root=r)``, orthogonalized under ``lax.cond``
-on the root only, and written back to every device's piece with ``scatter_tensor(..., root=r)``. With
+``shard_map``. Momentum runs on the local shard; each matrix is gathered to its load-balanced NS device
+(``ragged.muon.assign_ns_devices``) with ``gather_tensor(..., device=r)``, orthogonalized under ``lax.cond``
+on that device only, and written back to every device's piece with ``scatter_tensor(..., device=r)``. With
 ``muon_plan(..., max_imbalance=)`` the matrices that stop the balance are split over groups of devices
 (``ragged.muon.assign_groups``): each member gets a row block (``gather_rows``) and ``split_newton_schulz``
-runs the core's split scheme. The plan's windows (``in_flight`` root buckets) issue their gathers before
+runs the core's split scheme. The plan's windows (``in_flight`` NS-device buckets) issue their gathers before
 their Newton-Schulz and scatters after, so XLA can overlap them. Elements of tensors that are not 2-D get
 AdamW through a static per-device mask.
 """
@@ -38,17 +38,18 @@ from ragged import Layout, RaggedShard
 
 @dataclass(frozen=True)
 class MuonMatrix:
-    """One 2-D tensor of a unit and the devices that orthogonalize it: its root, or a split group."""
+    """One 2-D tensor of a unit and the devices that orthogonalize it: its NS device, or a split group."""
 
     name: str
     shape: tuple[int, int]
     group: tuple[int, ...]
 
     @property
-    def root(self) -> int:
+    def ns_device(self) -> int:
         """The one device of a whole-matrix Newton-Schulz."""
         if len(self.group) != 1:
-            raise ValueError(f"{self.name}: Newton-Schulz is split over devices {self.group}, it has no root")
+            raise ValueError(f"{self.name}: Newton-Schulz is split over devices {self.group}, it has no NS "
+                             "device")
         return self.group[0]
 
     def rows(self, world_size: int) -> RaggedShard:
@@ -59,7 +60,7 @@ class MuonMatrix:
 
 @dataclass(frozen=True)
 class MuonPlan:
-    """The distributed Muon plan of a model's units: matrices with roots, and which elements they cover.
+    """The distributed Muon plan of a model's units: matrices with NS devices, and which elements they cover.
 
     ``pieces[unit]`` is ``(offset, length)``: per device, where its pieces of 2-D tensors lie in its shard
     (``(world_size, pieces)`` int32 each, ascending, missing pieces at ``S`` with length 0); ``mask`` turns
@@ -74,7 +75,7 @@ class MuonPlan:
 
     def windows(self) -> tuple[tuple[tuple[str, MuonMatrix], ...], ...]:
         """The schedule: ``(unit, matrix)`` groups whose gathers are issued together, then their
-        Newton-Schulz, then their scatters; ``in_flight`` root buckets per group
+        Newton-Schulz, then their scatters; ``in_flight`` NS-device buckets per group
         (``ragged.muon.ns_device_buckets``), or one matrix per group when ``in_flight`` is ``None``
         (sequential). Matrices split over a group of devices come after the whole ones, ``in_flight`` per
         window (one when sequential)."""
@@ -83,7 +84,7 @@ class MuonPlan:
         split = [f for f in found if len(f[1].group) > 1]
         if self.in_flight is None:
             return tuple((f,) for f in whole + split)
-        buckets = ragged.muon.ns_device_buckets([m.root for _, m in whole])
+        buckets = ragged.muon.ns_device_buckets([m.ns_device for _, m in whole])
         return (tuple(tuple(whole[i] for b in buckets[j:j + self.in_flight] for i in b)
                       for j in range(0, len(buckets), self.in_flight))
                 + tuple(tuple(split[j:j + self.in_flight]) for j in range(0, len(split), self.in_flight)))
@@ -109,12 +110,12 @@ def muon_plan(layouts: Sequence[Layout], axis: str, *, in_flight: int | None = 2
 
     Args:
         layouts: the units; axis: the mesh axis they are sharded over.
-        in_flight: root buckets gathered together and overlapped by XLA with their Newton-Schulz
+        in_flight: NS-device buckets gathered together and overlapped by XLA with their Newton-Schulz
             (``None``: one matrix after another; both give the same bits).
-        max_imbalance: ``None``: one root per matrix, greedy largest-first over Newton-Schulz FLOPs
+        max_imbalance: ``None``: one NS device per matrix, greedy largest-first over Newton-Schulz FLOPs
             (``ragged.muon.assign_ns_devices``). A target ``max / mean`` of per-device FLOPs: matrices whose
             cost stops it are split over groups of devices (``ragged.muon.assign_groups``); the others keep
-            one root. Splitting balances the FLOPs (llama3-8b's layers at 256 devices: 1.057 instead of
+            one NS device. Splitting balances the FLOPs (llama3-8b's layers at 256 devices: 1.057 instead of
             2.11) but adds collectives inside each group at every Newton-Schulz step
             (``split_newton_schulz_bytes``).
 
@@ -153,12 +154,12 @@ class ScaleByMuonState(NamedTuple):
 
 def _orthogonalize_shards(updates: dict[str, jax.Array], plan: MuonPlan,
                           ns_dtype: jnp.dtype) -> dict[str, jax.Array]:
-    """Newton-Schulz of every matrix of the unit shards, each on its root (or split over its group); other
-    elements become 0.
+    """Newton-Schulz of every matrix of the unit shards, each on its NS device (or split over its group);
+    other elements become 0.
 
     One window at a time (``plan.windows()``): all its gathers, then its Newton-Schulz (under
-    ``lax.cond(root)``, or ``split_newton_schulz`` on row blocks), then its scatters, inside one jitted step
-    so XLA can overlap them. The next window's gathers read ``updates`` minus an exact zero computed from
+    ``lax.cond(ns_device)``, or ``split_newton_schulz`` on row blocks), then its scatters, inside one jitted
+    step so XLA can overlap them. The next window's gathers read ``updates`` minus an exact zero computed from
     this window's scatters: a data dependency that keeps them behind it, so a device holds about one window
     of whole matrices (the subtraction fuses into the gathers' slices: no copy of the shard).
     (``lax.optimization_barrier`` did not: XLA:CPU drops it before scheduling, and then issued every
@@ -174,17 +175,17 @@ def _orthogonalize_shards(updates: dict[str, jax.Array], plan: MuonPlan,
     def gather(u: str, m: MuonMatrix) -> jax.Array:
         if len(m.group) > 1:  # this device's row block
             return gather_rows(updates[u] - done, by_unit[u], m.name, plan.axis, m.rows(world))
-        return gather_tensor(updates[u] - done, by_unit[u], m.name, plan.axis, root=m.root)
+        return gather_tensor(updates[u] - done, by_unit[u], m.name, plan.axis, device=m.ns_device)
 
     def orthogonalize(m: MuonMatrix, w: jax.Array) -> jax.Array:
         if len(m.group) > 1:
             return split_newton_schulz(w, m.shape, m.group, world, plan.axis, dtype=ns_dtype)
-        return lax.cond(rank == m.root, lambda w: newton_schulz(w, dtype=ns_dtype), jnp.zeros_like, w)
+        return lax.cond(rank == m.ns_device, lambda w: newton_schulz(w, dtype=ns_dtype), jnp.zeros_like, w)
 
     def scatter(u: str, m: MuonMatrix, o: jax.Array) -> jax.Array:
         if len(m.group) > 1:
             return scatter_rows(o, outs[u], by_unit[u], m.name, plan.axis, m.rows(world))
-        return scatter_tensor(o, outs[u], by_unit[u], m.name, plan.axis, root=m.root)
+        return scatter_tensor(o, outs[u], by_unit[u], m.name, plan.axis, device=m.ns_device)
 
     for window in plan.windows():
         held = [gather(u, m) for u, m in window]

@@ -11,7 +11,7 @@ axis: the other devices send nothing and receive zeros). ``psum`` / ``all_gather
 ``axis_index_groups`` would need groups that partition the whole axis, and are not supported by every
 backend. Sums run in member order, so every member gets the same bits of ``A``. The members' work runs
 under ``lax.cond`` (the other devices skip it); the collectives stay outside, on every device (as the
-whole-matrix roots' ``ppermute``s: a device outside gets a zero buffer of each message's size).
+whole-matrix NS devices' ``ppermute``s: a device outside gets a zero buffer of each message's size).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flax import nnx
-from jax_reference import BATCH, SEQ, STEPS, train_reference
 
 from jax_backend.models import Llama
+from tests.jax_backend.jax_reference import BATCH, SEQ, STEPS, train_reference
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from any_models import train_reference as train_pytree
 from flax import nnx
 
 from jax_backend import FSDP
 from jax_backend.models import Llama, cross_entropy, model_params
+from tests.jax_backend.any_models import train_reference as train_pytree
 
 STEPS = 10
 BATCH = 24  # divisible by 1, 2, 3, 4 and 8 devices

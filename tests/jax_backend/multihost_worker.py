@@ -1,10 +1,11 @@
-"""One process of the two-process multi-host test (started by test_jax_multihost.py with subprocess).
+"""One process of the two-process multi-host test (started by test_multihost.py with subprocess).
 
 Each process owns 2 host CPU devices; ``jax.distributed.initialize`` joins them into one 4-device mesh, and
 CPU collectives across processes go through gloo. The run trains llama-tiny like the single-device
 reference and saves a neutral checkpoint (process 0 writes) plus the losses.
 
-Usage: python multihost_worker.py PROCESS_ID PORT OUT_DIR
+Usage, with the repository root on PYTHONPATH:
+    python tests/jax_backend/multihost_worker.py PROCESS_ID PORT OUT_DIR
 """
 
 import os
@@ -28,10 +29,10 @@ def main() -> None:
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid,
                                initialization_timeout=60)
     from flax import nnx
-    from jax_reference import BATCH, SEQ, STEPS, run_fsdp
 
     from jax_backend import make_mesh, save_neutral_checkpoint
     from jax_backend.models import Llama, parallelize
+    from tests.jax_backend.jax_reference import BATCH, SEQ, STEPS, run_fsdp
 
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     import numpy as np

@@ -8,10 +8,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from any_models import (
+from flax import nnx
+
+from jax_backend import LayoutMismatchError, UnitError, flatten_params, make_mesh, shard_model
+from tests.jax_backend.any_models import (
     BLOCKS,
     MoE,
     MoEBlock,
+    TiedHead,
     adamw,
     batches,
     gspmd_step,
@@ -22,10 +26,7 @@ from any_models import (
     nnx_reference,
     train_reference,
 )
-from flax import nnx
-from jax_reference import assert_params_close, rel_err
-
-from jax_backend import LayoutMismatchError, UnitError, flatten_params, fully_shard, make_mesh, shard_model
+from tests.jax_backend.jax_reference import assert_params_close, rel_err
 
 MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 4: ((4,), ("fsdp",)), 8: ((8,), ("fsdp",)),
           "2x4": ((2, 4), ("replica", "fsdp"))}
@@ -77,22 +78,22 @@ def is_block(path: str, module: nnx.Module) -> bool:
 MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
 
 
-# The units are named in each of the three ways (paths, a predicate, fully_shard marks); the tied head is
-# a unit of its own in some runs (its table then stays in the root, read inside the head's call); the
-# three ways of keeping units for the backward (keep gathered, reshard after forward, remat) alternate.
+# The units are named by paths, by a predicate on the path and module, or by the module objects (as torch
+# users pick the modules they fully_shard); the tied head is a unit of its own in some runs (its table
+# then stays in the root, read inside the head's call); the three ways of keeping units for the backward
+# (keep gathered, reshard after forward, remat) alternate. The user's model is never changed.
 @pytest.mark.parametrize("mesh_key, units, mode", [
-    (1, "blocks.*", "keep"), (3, ["blocks.*", "head"], "remat"), (4, "fully_shard", "keep"),
+    (1, "blocks.*", "keep"), (3, ["blocks.*", "head"], "remat"), (4, "objects", "keep"),
     (8, is_block, "reshard"), ("2x4", ["blocks.*", "head"], "reshard")])
 def test_nnx_moe_matches_single_device(moe, data, moe_reference, mesh_key, units, mode):
-    if units == "fully_shard":  # a fresh model (same seed), its blocks and head marked as torch users do
-        moe, units = MoE(nnx.Rngs(0)), None
-        for block in moe.blocks:
-            fully_shard(block)
-        fully_shard(moe.head)
+    if units == "objects":
+        chosen = [*moe.blocks, moe.head]
+        units = lambda path, module: any(module is c for c in chosen)  # noqa: E731
     fsdp = shard(moe, mesh_key, units=units, **MODES[mode])
     assert len(fsdp.layouts) == 1 + BLOCKS + (units != "blocks.*" and units is not is_block)
     assert "embed.embedding" in [t.name for t in fsdp.layouts[0].tensors]  # the tied table: root
     losses, params, (aux,) = train(fsdp, moe, moe_loss, data)
+    assert [type(b) for b in moe.blocks] == [MoEBlock] * BLOCKS and type(moe.head) is TiedHead
     ref_losses, ref_params = moe_reference
     assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
     assert_params_close(params, ref_params, 1e-5)
@@ -180,6 +181,9 @@ def test_errors_name_the_unit_path_and_size(moe, data):
         shard(moe, 4, units=["embed", "head"])
     with pytest.raises(UnitError, match=r"unit 'blocks.0.norm' is nested in unit 'blocks.0'"):
         shard(moe, 4, units=["blocks.*", "blocks.0.norm"])
+    with_head = shard(moe, 4, units=["blocks.*", "head"]).layouts
+    with pytest.raises(LayoutMismatchError, match=r"layouts do not match the units at \['head', 'root'\]"):
+        shard(moe, 4, units="blocks.*", layouts=with_head)
     with pytest.raises(UnitError, match=r"unit path 'layer.0' matches no parameter"):
         shard(mlp_apply, 4, params=mlp_params(), units=["layer.0"])
     with pytest.raises(UnitError, match=r"reshard_after_forward=True needs unit calls"):

@@ -9,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jax_reference import rel_err
-
 import ragged
 import ragged.checkpoint
+from tests.jax_backend.jax_reference import rel_err
 
 HERE = Path(__file__).parent
 
@@ -25,7 +24,7 @@ def free_port() -> int:
 
 def test_two_processes_match_single_device(tmp_path, reference):
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent)]),
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent.parent),
            "OMP_NUM_THREADS": "1"}
     env.pop("XLA_FLAGS", None)  # each worker sets its own device count
     workers = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(pid), str(port),

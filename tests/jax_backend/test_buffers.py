@@ -9,14 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import ragged
 import ragged.models
-from jax_backend import (
-    LayoutMismatchError,
-    check_params,
-    full_params,
-    make_mesh,
-    shard_params,
-    unpack_unit,
-)
+from jax_backend import LayoutMismatchError, full_params, make_mesh, shard_params
+from jax_backend._buffers import check_params, unpack_unit
 from jax_backend.models import model_params, parallelize
 from ragged import plan_model
 

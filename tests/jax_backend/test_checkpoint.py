@@ -13,7 +13,8 @@ import ragged
 import ragged.checkpoint
 import ragged.models
 import torch_backend
-from jax_backend import LayoutMismatchError, fqn, full_params, make_mesh, shard_params
+from jax_backend import LayoutMismatchError, full_params, make_mesh, shard_params
+from jax_backend._names import fqn
 from jax_backend.models import Llama, parallelize
 from ragged import plan_model
 from torch_backend.models import Llama as TorchLlama

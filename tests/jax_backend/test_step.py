@@ -7,25 +7,35 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax_reference import assert_params_close, rel_err, train_fsdp, train_reference
 
-from jax_backend import FSDP, LayoutMismatchError, MixedPrecisionPolicy, make_mesh, unpack_unit
-from jax_backend.models import cross_entropy, llama_stages, model_params, parallelize
+from jax_backend import FSDP, LayoutMismatchError, MixedPrecisionPolicy, make_mesh, shard_model
+from jax_backend._buffers import unpack_unit
+from jax_backend.models import cross_entropy, model_params, parallelize
 from ragged import plan_model
 from ragged.models import model_shapes
+from tests.jax_backend.jax_reference import assert_params_close, rel_err, train_fsdp, train_reference
 
 MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
 
 
+def is_llama_unit(path: str, module) -> bool:
+    """The preset's units named by a predicate: the embedding and each block (the rest is the root)."""
+    return path == "tok_embeddings" or (path.startswith("layers.") and path.count(".") == 1)
+
+
 # The three ways of keeping units for the backward (kept gathered, resharded after forward, remat)
-# alternate, so each is trained at several sizes; at 3 and 4 devices the forward is the hand-written chain
-# of stages instead of the model's own __call__.
-@pytest.mark.parametrize("n, mode, stages", [(1, "keep", False), (2, "remat", False), (3, "reshard", True),
-                                             (4, "remat", True), (8, "reshard", False)])
-def test_fsdp_matches_single_device(model, batches, reference, n, mode, stages):
-    fsdp = parallelize(model, make_mesh((n,), ("fsdp",)), **MODES[mode])
-    if stages:
-        fsdp = FSDP(fsdp.mesh, fsdp.layouts, llama_stages(model), **MODES[mode])
+# alternate, so each is trained at several sizes; at 3 and 4 devices the units are named by a predicate
+# and planned in the model's own tensor order (shard_model) instead of the preset's (parallelize).
+@pytest.mark.parametrize("n, mode, predicate", [(1, "keep", False), (2, "remat", False), (3, "reshard", True),
+                                                (4, "remat", True), (8, "reshard", False)])
+def test_fsdp_matches_single_device(model, batches, reference, n, mode, predicate):
+    mesh = make_mesh((n,), ("fsdp",))
+    if predicate:
+        fsdp = shard_model(model, mesh, units=is_llama_unit, root="output", **MODES[mode])
+        preset = parallelize(model, mesh).layouts
+        assert sorted(lay.name for lay in fsdp.layouts) == sorted(lay.name for lay in preset)
+    else:
+        fsdp = parallelize(model, mesh, **MODES[mode])
     losses, params = train_fsdp(fsdp, model, batches)
     ref_losses, ref_params = reference
     assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
@@ -108,7 +118,7 @@ def test_bad_inputs_raise_clear_errors(model):
         parallelize(model, mesh, replica_axis="dp")
     layouts3 = plan_model(model_shapes("llama-tiny").units, 3)
     with pytest.raises(LayoutMismatchError, match=r"planned for world_size 3, but mesh axis 'fsdp' has 2"):
-        FSDP(mesh, layouts3, llama_stages(model))
+        FSDP(mesh, layouts3, parallelize(model, mesh).model)
     fsdp = parallelize(model, mesh)
     params = model_params(model)
     params["layers.1.attention.wk.weight"] = params["layers.1.attention.wk.weight"][:16]

@@ -18,26 +18,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from any_models import BLOCKS, batches, mlp_apply, mlp_loss, mlp_params, train_reference
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jax_reference import rel_err
 
 import ragged
 from jax_backend import (
     FSDP,
-    Stage,
     UnsupportedOptimizerError,
     clip_by_global_norm,
     flatten_params,
-    fqn,
     global_norm,
     make_mesh,
     on_shards,
-    shard_map,
     shard_model,
 )
+from jax_backend._compat import shard_map
+from jax_backend._names import fqn
 from jax_backend.optim import adamw8bit, shard_tiles
+from tests.jax_backend.any_models import BLOCKS, batches, mlp_apply, mlp_loss, mlp_params, train_reference
+from tests.jax_backend.jax_reference import rel_err
 
 # Odd shapes, biases, a 3-D tensor, and tensors small enough that some device holds nothing of them.
 SPECS = (("blocks.0.w", (7, 5)), ("blocks.0.b", (5,)), ("experts", (3, 4, 6)), ("head.w", (5, 9)),
@@ -52,11 +51,18 @@ def NDIM_MASK(p):  # noqa: N802 - a mask, as users write it
 QUICK = {"xla_backend_optimization_level": 0}
 
 
+def _one_unit(layout, mesh, replica_axis=None) -> FSDP:
+    """FSDP of a pure function that returns its input, every parameter in its one (root) unit ``layout``:
+    only the optimizer runs on the parameters."""
+    params = {t.name: jax.ShapeDtypeStruct(t.shape, jnp.float32) for t in layout.tensors}
+    return shard_model(lambda p, h: h, mesh, params=params, units=(), root=layout.name, layouts=(layout,),
+                       replica_axis=replica_axis)
+
+
 def _fsdp(config: str) -> FSDP:
     shape, names, replica = MESHES[config]
     layout = ragged.plan([ragged.TensorSpec(n, s, "element") for n, s in SPECS], shape[-1], name="unit")
-    return FSDP(make_mesh(shape, names), (layout,), (Stage("unit", lambda p, h: h),),
-                axis="fsdp", replica_axis=replica)
+    return _one_unit(layout, make_mesh(shape, names), replica)
 
 
 def _data(steps: int = 3):
@@ -207,7 +213,7 @@ def test_layout_aware_optimizers_pass_only_when_marked():
     """adamw8bit with shard blocks takes the {unit: shard} dict: on_shards skips the check explicitly;
     unmarked, it fails on the full params (its blocks name units) and the error points to on_shards."""
     layout = ragged.plan([ragged.TensorSpec("w", (64, 32), "tiles:32x32")], 4, name="unit")
-    fsdp = FSDP(make_mesh((4,), ("fsdp",)), (layout,), (Stage("unit", lambda p, h: h),))
+    fsdp = _one_unit(layout, make_mesh((4,), ("fsdp",)))
     tx = adamw8bit(1e-3, tiles=shard_tiles(fsdp.layouts, fsdp.axis))
     buffers = fsdp.shard_params({"w": jnp.ones((64, 32))})
     with pytest.raises(UnsupportedOptimizerError, match=r"tiles are given for the units.*on_shards\(tx\)"):

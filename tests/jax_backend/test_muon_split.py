@@ -2,7 +2,7 @@
 
 At 6 devices the core (``ragged.muon.assign_groups``) splits a square (wide orientation: the members exchange
 sub-blocks to hold column blocks) and a tall matrix over groups of 4, one of them not contiguous
-((1, 2, 3, 5)), and keeps two whole-matrix roots. References: single-device Muon (``optax`` on the full
+((1, 2, 3, 5)), and keeps two whole-matrix NS devices. References: single-device Muon (``optax`` on the full
 arrays), the core's numpy scheme ``ragged.muon.split_newton_schulz_reference`` in float64, the core's load and
 transfer plans. The split adds the Gram matrix's inner products in 4 partial sums, so it is not bit for bit
 single-device Muon: tolerance ``rtol 1e-5, atol 1e-6`` on the parameters after 3 steps (measured: 2.4e-7).
@@ -16,8 +16,6 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax_reference import rel_err, train_fsdp, train_reference
-from test_optim_jax import _fulls, _muon, _run_full, _run_sharded, _tiny
 
 import ragged
 import ragged.models
@@ -27,6 +25,8 @@ from jax_backend import make_mesh, on_shards
 from jax_backend.models import parallelize
 from jax_backend.optim import muon_plan, newton_schulz, scale_by_muon
 from jax_backend.optim._muon import MuonMatrix
+from tests.jax_backend.jax_reference import rel_err, train_fsdp, train_reference
+from tests.jax_backend.test_optim import _fulls, _muon, _run_full, _run_sharded, _tiny
 
 WORLD = 6
 SPECS = (("w_in", (64, 16), "rows:1"), ("norm", (24,), "element"), ("w_small", (16, 32), "rows:1"),
@@ -50,7 +50,7 @@ def _split_runs():
     return params, grads, runs
 
 
-def test_the_case_splits_a_wide_and_a_tall_matrix_and_keeps_whole_roots():
+def test_the_case_splits_a_wide_and_a_tall_matrix_and_keeps_whole_ns_devices():
     groups = {m.name: m.group for m in _split_plan([_layout()]).matrices["unit"]}
     assert groups == {"w_in": (0,), "w_small": (5,), "sq": (1, 2, 3, 5), "tall": (1, 2, 3, 4)}
     assert groups == dict(zip(["w_in", "w_small", "sq", "tall"], ragged.muon.assign_groups(SHAPES, WORLD)))
@@ -90,10 +90,10 @@ def _in_group_permutes(shape, g, steps=ragged.muon.NS_STEPS):
 
 def test_the_compiled_step_runs_the_groups_collectives():
     """The lowered step has exactly the core's gather / scatter transfers plus the groups' ring shifts,
-    among the group's members (a runtime that ignored the groups would have the roots' transfers only),
-    and the members' work is conditional (the other devices skip it): one ``lax.cond`` per root; per split
-    matrix two for the norm, four per step (X_i X_i^T, the sum of A's row block, B_i, X_i) and, for a
-    wide matrix, one for each exchange of sub-blocks."""
+    among the group's members (a runtime that ignored the groups would have the NS devices' transfers
+    only), and the members' work is conditional (the other devices skip it): one ``lax.cond`` per NS
+    device; per split matrix two for the norm, four per step (X_i X_i^T, the sum of A's row block, B_i,
+    X_i) and, for a wide matrix, one for each exchange of sub-blocks."""
     _, _, runs = _split_runs()
     _, (step, bufs, g, state) = runs[2]
     text = step.lower(bufs, g, state).as_text()
@@ -101,7 +101,7 @@ def test_the_compiled_step_runs_the_groups_collectives():
     for m in _split_plan([layout]).matrices["unit"]:
         wide = m.shape[0] <= m.shape[1]
         conds += 2 + 4 * ragged.muon.NS_STEPS + 2 * wide if len(m.group) > 1 else 1
-        target = m.rows(WORLD) if len(m.group) > 1 else ragged.RaggedShard.whole_on(m.root, WORLD)
+        target = m.rows(WORLD) if len(m.group) > 1 else ragged.RaggedShard.whole_on(m.ns_device, WORLD)
         pieces = ragged.ragged_holdings(layout.placement(m.name), m.shape, m.name)
         there = ragged.ragged_holdings(target, m.shape, m.name)
         plans = ragged.transfers(pieces, there) + ragged.transfers(there, pieces)
@@ -122,9 +122,9 @@ def test_the_load_report_is_the_cores_group_load():
     split, whole = _split_plan([layout]), muon_plan([layout], "fsdp")
     groups = ragged.muon.assign_groups(SHAPES, WORLD)
     np.testing.assert_array_equal(split.newton_schulz_load, ragged.muon.group_load(SHAPES, groups, WORLD))
-    roots = [m.root for m in whole.matrices["unit"]]
-    np.testing.assert_array_equal(whole.newton_schulz_load,
-                                  ragged.muon.newton_schulz_load(SHAPES, roots, WORLD))
+    ns_devices = [m.ns_device for m in whole.matrices["unit"]]
+    want = ragged.muon.newton_schulz_load(SHAPES, ns_devices, WORLD)
+    np.testing.assert_array_equal(whole.newton_schulz_load, want)
     total = sum(ragged.muon.newton_schulz_flops(s) for s in SHAPES)  # splitting moves work, adds none
     assert split.newton_schulz_load.sum() == whole.newton_schulz_load.sum() == total
     imbalance = lambda load: load.max() / load.mean()  # noqa: E731
@@ -150,14 +150,14 @@ def test_plan_time_validation(monkeypatch):
     monkeypatch.setattr(ragged.muon, "assign_groups", lambda shapes, world, **_: ((0, 1, 2),) * len(shapes))
     with pytest.raises(ValueError, match=r"w_in of unit 'unit' has shape \(64, 16\).*3 devices"):
         muon_plan([_layout()], "fsdp", max_imbalance=1.1)
-    with pytest.raises(ValueError, match=r"w: Newton-Schulz is split over devices \(0, 1\), it has no root"):
-        MuonMatrix("w", (4, 4), (0, 1)).root  # noqa: B018
+    with pytest.raises(ValueError, match=r"w: Newton-Schulz is split over devices \(0, 1\), it has no NS "):
+        MuonMatrix("w", (4, 4), (0, 1)).ns_device  # noqa: B018
 
 
 @pytest.mark.parametrize("world", [8, 64, 256])
 def test_llama3_8b_layers_plan_within_ten_percent(world):
     """The plan alone (nothing runs): the JAX Muon plan of llama3-8b's decoder layers reports max/mean
-    <= 1.1 with ``max_imbalance=1.1``; at 256 devices whole-matrix roots cannot get under 2.11."""
+    <= 1.1 with ``max_imbalance=1.1``; at 256 devices whole-matrix NS devices cannot get under 2.11."""
     layers = [u for u in ragged.models.model_shapes("llama3-8b").units if u.name.startswith("layers.")]
     layouts = ragged.plan_model(layers, world)
     split, whole = muon_plan(layouts, "fsdp", max_imbalance=1.1), muon_plan(layouts, "fsdp")
@@ -174,7 +174,8 @@ def test_llama3_8b_layers_plan_within_ten_percent(world):
 
 def test_fsdp_train_step_with_split_muon_matches_single_device():
     """llama-tiny in ``FSDP.train_step`` over 4 devices; ``max_imbalance=1.0`` splits two matrices in pairs
-    (the core: whole roots reach 1.008 there): the losses equal single-device Muon's within 1e-4."""
+    (the core: whole-matrix NS devices reach 1.008 there): the losses equal single-device Muon's within
+    1e-4."""
     model, batches = _tiny()
     tiled = lambda n, s: ragged.quant.tile_granularity(s)
     fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), granularity=tiled)

@@ -1,4 +1,4 @@
-"""Ragged redistribution in JAX (to a root, to every device, to row blocks, and back) against numpy."""
+"""Ragged redistribution in JAX (to one device, to every device, to row blocks, and back) against numpy."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 import ragged
 import ragged.models
-from jax_backend import make_mesh, shard_map
+from jax_backend import make_mesh
+from jax_backend._compat import shard_map
 from jax_backend._redistribute import gather_rows, gather_tensor, scatter_rows, scatter_tensor
 from ragged import plan_model
 
@@ -28,19 +29,19 @@ def test_gather_and_scatter_match_numpy(world, granularity):
     rng = np.random.default_rng(world)
     buffer = rng.standard_normal(layout.total_numel).astype(np.float32)  # padding holds junk on purpose
     names = [t.name for t in layout.tensors]
-    roots = {name: i % world for i, name in enumerate(names)}  # spread the roots as Muon balances load
+    ns_devices = {name: i % world for i, name in enumerate(names)}  # spread as Muon balances load
     new = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in layout.tensors}
 
     def body(local, new):
         rank = jax.lax.axis_index("fsdp")
         out = {}
         for name in names:
-            on_root = gather_tensor(local, layout, name, "fsdp", root=roots[name])
+            on_device = gather_tensor(local, layout, name, "fsdp", device=ns_devices[name])
             everywhere = gather_tensor(local, layout, name, "fsdp")
-            # Non-root copies of the input are garbage: the scatter must read the root's only.
-            from_root = jnp.where(rank == roots[name], new[name], jnp.nan)
-            out[name] = (on_root[None], everywhere[None],
-                         scatter_tensor(from_root, local, layout, name, "fsdp", root=roots[name]),
+            # The other devices' copies of the input are garbage: the scatter must read the NS device's only.
+            from_device = jnp.where(rank == ns_devices[name], new[name], jnp.nan)
+            out[name] = (on_device[None], everywhere[None],
+                         scatter_tensor(from_device, local, layout, name, "fsdp", device=ns_devices[name]),
                          scatter_tensor(new[name], local, layout, name, "fsdp"))
         return out
 
@@ -49,13 +50,13 @@ def test_gather_and_scatter_match_numpy(world, granularity):
     got = run(buffer, new)
     for t in layout.tensors:
         want = buffer[t.offset:t.end].reshape(t.shape)
-        on_root, everywhere, from_root, from_all = (np.asarray(x) for x in got[t.name])
+        on_device, everywhere, from_device, from_all = (np.asarray(x) for x in got[t.name])
         for rank in range(world):
-            np.testing.assert_array_equal(on_root[rank], want if rank == roots[t.name] else 0 * want)
+            np.testing.assert_array_equal(on_device[rank], want if rank == ns_devices[t.name] else 0 * want)
             np.testing.assert_array_equal(everywhere[rank], want)
         written = buffer.copy()
         written[t.offset:t.end] = new[t.name].ravel()
-        np.testing.assert_array_equal(from_root, written)
+        np.testing.assert_array_equal(from_device, written)
         np.testing.assert_array_equal(from_all, written)
 
 
@@ -105,8 +106,8 @@ def test_bad_calls_name_the_tensor():
     (layout,) = plan_model([UNIT], 2)
     with pytest.raises(ValueError, match=r"layers.0.attention.wq.weight: local shard has shape \(7,\)"):
         gather_tensor(jnp.zeros(7), layout, "layers.0.attention.wq.weight", "fsdp")
-    with pytest.raises(ValueError, match="root 2 is outside the 2 devices"):
-        gather_tensor(jnp.zeros(layout.shard_size), layout, "layers.0.attention.wq.weight", "fsdp", root=2)
+    with pytest.raises(ValueError, match="device 2 is outside the 2 devices"):
+        gather_tensor(jnp.zeros(layout.shard_size), layout, "layers.0.attention.wq.weight", "fsdp", device=2)
     with pytest.raises(KeyError, match="layers.0.nope"):
         gather_tensor(jnp.zeros(layout.shard_size), layout, "layers.0.nope", "fsdp")
     with pytest.raises(ValueError, match=r"full tensor has shape \(3,\), the layout has \(64, 64\)"):

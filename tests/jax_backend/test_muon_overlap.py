@@ -1,6 +1,6 @@
-"""Overlapped JAX Muon (gathers of ``in_flight`` root buckets issued before their Newton-Schulz) gives the
-same bits as the sequential schedule (one matrix after another), both inside one jitted shard_map step;
-bf16 Newton-Schulz stays within its stated tolerance of fp32 and reaches the roots."""
+"""Overlapped JAX Muon (gathers of ``in_flight`` NS-device buckets issued before their Newton-Schulz) gives
+the same bits as the sequential schedule (one matrix after another), both inside one jitted shard_map step;
+bf16 Newton-Schulz stays within its stated tolerance of fp32 and reaches the NS devices."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_optim_jax import MUON_SPECS, _fulls, _muon, _run_full, _run_sharded
 
 import ragged
-from jax_backend import make_mesh, shard_map
+from jax_backend import make_mesh
+from jax_backend._compat import shard_map
 from jax_backend.optim import ScaleByMuonState, muon, muon_plan, newton_schulz, scale_by_muon
+from tests.jax_backend.test_optim import MUON_SPECS, _fulls, _muon, _run_full, _run_sharded
 
 SPECS = MUON_SPECS + (("wide2", (16, 72), "rows:1"), ("tall2", (56, 24), "rows:2"),
                       ("sq2", (40, 40), "rows:1"))
@@ -49,8 +50,8 @@ def test_bf16_newton_schulz_is_within_its_stated_tolerance_of_fp32():
 
 
 def test_distributed_bf16_muon_equals_single_device_bf16_muon():
-    """ns_dtype reaches the roots' Newton-Schulz: sharded bf16 Muon is single-device bf16 Muon (fp32 on the
-    roots would be about 3% away, far outside the tolerance)."""
+    """ns_dtype reaches the NS devices' Newton-Schulz: sharded bf16 Muon is single-device bf16 Muon (fp32
+    on the NS devices would be about 3% away, far outside the tolerance)."""
     params, grads = _fulls(MUON_SPECS, seed=5, steps=1)
     bf16 = functools.partial(muon, 0.02, adamw_learning_rate=1e-2, ns_dtype=jnp.bfloat16)
     want = _run_full(bf16(), params, grads)
@@ -60,7 +61,7 @@ def test_distributed_bf16_muon_equals_single_device_bf16_muon():
 
 
 def _temp_bytes(in_flight: int | None, world: int = 4) -> int:
-    """Compiled temp memory per device of one Muon step over eight (64, 96) matrices, one per root bucket
+    """Compiled temp memory per device of one Muon step over eight (64, 96) matrices, one per NS-device bucket
     window (``None``) or all in one window."""
     specs = [ragged.TensorSpec(f"w{i}", (64, 96), "rows:1") for i in range(8)]
     layouts = (ragged.plan(specs, world, name="unit"),)

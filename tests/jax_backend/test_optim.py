@@ -16,13 +16,13 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from jax_reference import rel_err, train_fsdp, train_reference
 
 import ragged
-import ragged.quant
-from jax_backend import full_params, make_mesh, on_shards, shard_map, shard_params
+from jax_backend import full_params, make_mesh, on_shards, shard_params
+from jax_backend._compat import shard_map
 from jax_backend.models import parallelize
 from jax_backend.optim import adamw8bit, muon, muon_plan, newton_schulz, shard_tiles
+from tests.jax_backend.jax_reference import rel_err, train_fsdp, train_reference
 from tests.numpy_references import assert_tracks_fp32_adamw, newton_schulz_closed_form
 
 WORLDS = (1, 2, 3, 4)
@@ -181,13 +181,13 @@ def test_distributed_muon_equals_single_device_muon(world):
     for n in params:
         np.testing.assert_allclose(np.asarray(got[n]), np.asarray(want[n]), rtol=1e-5, atol=1e-6, err_msg=n)
         assert not np.array_equal(np.asarray(got[n]), np.asarray(params[n])), f"{n} did not move"
-    # Communication: only the core's root transfers (one ppermute each way per cross-device piece).
+    # Communication: only the core's NS-device transfers (one ppermute each way per cross-device piece).
     layout = ragged.plan([ragged.TensorSpec(n, s, gr) for n, s, gr in MUON_SPECS], world, name="unit")
     plan = muon_plan([layout], "fsdp")
     moves = 0
     for m in plan.matrices["unit"]:
         pieces = ragged.ragged_holdings(layout.placement(m.name), m.shape, m.name)
-        whole = ragged.ragged_holdings(ragged.RaggedShard.whole_on(m.root, world), m.shape, m.name)
+        whole = ragged.ragged_holdings(ragged.RaggedShard.whole_on(m.ns_device, world), m.shape, m.name)
         moves += sum(t.src != t.dst for t in ragged.transfers(pieces, whole))
         moves += sum(t.src != t.dst for t in ragged.transfers(whole, pieces))
     text = step.lower(bufs, g, state).as_text()
@@ -203,10 +203,10 @@ def test_scale_by_muon_without_a_plan_rejects_leaves_that_are_not_matrices():
         opt.update(params, opt.init(params))
 
 
-def test_muon_roots_are_balanced_over_the_devices():
+def test_muon_ns_devices_are_balanced_over_the_devices():
     layout = ragged.plan([ragged.TensorSpec(n, s, g) for n, s, g in MUON_SPECS], 3, name="unit")
-    roots = [m.root for m in muon_plan([layout], "fsdp").matrices["unit"]]
-    assert sorted(roots) == [0, 1, 2]  # three matrices, three devices
+    ns_devices = [m.ns_device for m in muon_plan([layout], "fsdp").matrices["unit"]]
+    assert sorted(ns_devices) == [0, 1, 2]  # three matrices, three devices
 
 
 # ----- both optimizers in the FSDP training step on llama-tiny ----------------------------------------

@@ -1,0 +1,209 @@
+"""A flax NNX module as ``FSDP``'s model (``ShardedModel``): its own ``__call__``, on gathered units.
+
+Inside the step's ``shard_map`` the root unit is gathered first and merged into a copy of the model
+(``nnx.merge``); ``nnx.recursive_map`` then puts a ``_UnitCall`` in place of each unit submodule in that
+copy (never in the user's model), and the model runs as written. A unit's call gathers the unit, merges the
+gathered arrays into the submodule's graph and runs its ``__call__`` (with ``reshard_after_forward`` or
+``remat`` as a custom VJP that re-gathers in the backward, so one unit is unsharded at a time). Parameters
+of other units are placeholders there that raise ``UnitError`` when read.
+
+Shared parameters follow torch's rule: an ``nnx.Variable`` reachable from several places belongs to the
+lowest unit containing every use (the root if a use lies outside the units); uses in two different units
+are an error naming both.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_backend._names import flatten_params, fqn
+from jax_backend._units import UnitError, Units
+
+# Names the units: ``fnmatch`` patterns of submodule paths, or a predicate ``(path, module) -> bool``.
+UnitSelector = str | Sequence[str] | Callable[[str, nnx.Module], bool]
+
+
+def _dotted(path: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _variable_uses(model: nnx.Module) -> tuple[dict[int, list[str]], dict[str, nnx.Module]]:
+    """Every path at which each ``nnx.Param`` is reachable (``{id: [path, ...]}``) and every submodule."""
+    uses: dict[int, list[str]] = {}
+    modules: dict[str, nnx.Module] = {}
+
+    def walk(node: Any, path: tuple, stack: tuple[int, ...]) -> None:
+        if isinstance(node, nnx.Variable):
+            if isinstance(node, nnx.Param):
+                uses.setdefault(id(node), []).append(_dotted(path))
+            return
+        if id(node) in stack or not nnx.graph.is_graph_node(node):
+            return
+        if isinstance(node, nnx.Module):
+            modules.setdefault(_dotted(path), node)
+        for key, child in nnx.graph.iter_children(node):
+            walk(child, (*path, key), (*stack, id(node)))
+
+    walk(model, (), ())
+    return uses, modules
+
+
+def _matches(path: str, pattern: str) -> bool:
+    """``fnmatch`` per dotted segment: ``layers.*`` matches ``layers.3`` but not ``layers.3.norm``."""
+    parts, pats = path.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
+
+
+def _select_units(modules: Mapping[str, nnx.Module], units: UnitSelector | None) -> list[str]:
+    """Unit paths from patterns (``"layers.*"``, one segment per ``*``) or a predicate
+    ``(path, module) -> bool``, in model order."""
+    if units is None:
+        raise UnitError("no units: pass units= (submodule paths such as 'layers.*', or a predicate "
+                        "(path, module) -> bool)")
+    if callable(units):
+        chosen = [p for p, m in modules.items() if p and units(p, m)]
+        if not chosen:
+            raise UnitError("the unit predicate matched no submodule")
+    else:
+        chosen = []
+        for pattern in [units] if isinstance(units, str) else units:
+            hits = [p for p in modules if p and _matches(p, pattern)]
+            if not hits:
+                sample = [p for p in modules if p][:8]
+                raise UnitError(f"unit path {pattern!r} matches no submodule (submodules: {sample} ...)")
+            chosen += [p for p in hits if p not in chosen]
+    for a in chosen:
+        for b in chosen:
+            if a != b and b.startswith(a + "."):
+                raise UnitError(f"unit {b!r} is nested in unit {a!r}; units must not nest")
+    return chosen
+
+
+def _owner(uses: list[str], units: Sequence[str], root: str, name: str) -> str:
+    """torch's rule: the lowest unit containing every use of the parameter, the root if one lies outside."""
+    owners = {next((u for u in units if p == u or p.startswith(u + ".")), root) for p in uses}
+    inside = sorted(owners - {root})
+    if len(inside) > 1:
+        raise UnitError(
+            f"parameter {name!r} is used by units {inside[0]!r} and {inside[1]!r} (at {uses}); a parameter "
+            "shared by two units must belong to a unit containing both uses, or to the root"
+        )
+    return root if root in owners else inside[0]
+
+
+class _Sharded:
+    """Stands in for a parameter outside its unit's call: any use raises ``UnitError`` naming both."""
+
+    def __init__(self, name: str, unit: str, shape: tuple[int, ...], dtype: Any):
+        self.name, self.unit, self.shape, self.dtype = name, unit, shape, dtype
+
+    def _fail(self, *_: Any, **__: Any) -> Any:
+        raise UnitError(
+            f"parameter {self.name!r} of unit {self.unit!r} was read outside unit {self.unit!r}'s own call "
+            "(by the root or another unit); only the unit's __call__ sees it unsharded: make the reading "
+            "module part of that unit, or leave the parameter out of the units (root)"
+        )
+
+    __jax_array__ = __array__ = __getitem__ = __iter__ = __len__ = _fail
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __matmul__ = __rmatmul__ = _fail
+    __truediv__ = __neg__ = __pow__ = _fail
+
+    @property
+    def T(self) -> Any:  # noqa: N802
+        return self._fail()
+
+    def astype(self, *_: Any) -> Any:
+        return self._fail()
+
+
+class _UnitCall:
+    """A unit's submodule in the step's copy of the model: calling it runs the submodule on the gathered
+    unit (``_call_unit``); any other attribute is the submodule's own (its parameters are ``_Sharded``)."""
+
+    def __init__(self, units: Units, unit: str, module: nnx.Module):
+        self._units, self._unit, self._module = units, unit, module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _call_unit(self._units, self._unit, self._module, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _call_unit(units: Units, unit: str, module: nnx.Module, args: tuple, kwargs: dict) -> Any:
+    """Run ``module(*args, **kwargs)`` with unit ``unit`` gathered: the unit's params, the other values
+    the submodule holds (root-owned shared params, non-param state) and the array arguments go in as
+    explicit inputs, so the call can be a custom VJP (re-gathering in the backward)."""
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    own = {i: leaf.name for i, leaf in enumerate(leaves) if isinstance(leaf, _Sharded) and leaf.unit == unit}
+    others = [leaf for i, leaf in enumerate(leaves) if i not in own]
+    foreign = [leaf for leaf in others if isinstance(leaf, _Sharded)]
+    if foreign:
+        raise UnitError(f"unit {unit!r} reads parameter {foreign[0].name!r} of unit {foreign[0].unit!r}")
+    arg_leaves, arg_tree = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, a in enumerate(arg_leaves) if isinstance(a, (jax.Array, jnp.ndarray))]
+
+    def apply(params: Mapping[str, jax.Array], h: tuple) -> Any:
+        other_values, dynamic_args = h
+        it = iter(other_values)
+        state_leaves = [params[own[i]] if i in own else next(it) for i in range(len(leaves))]
+        gathered = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, state_leaves))
+        a = list(arg_leaves)
+        for i, v in zip(dynamic, dynamic_args):
+            a[i] = v
+        call_args, call_kwargs = jax.tree_util.tree_unflatten(arg_tree, a)
+        return gathered(*call_args, **call_kwargs)
+
+    return units.call(unit, apply, (others, [arg_leaves[i] for i in dynamic]))
+
+
+class NnxModel:
+    """An NNX module's forward on gathered units (a ``ShardedModel``).
+
+    Args:
+        model: the module (concrete or abstract, from ``nnx.eval_shape``); only its structure is kept.
+        units: which submodules are units (``UnitSelector``).
+        root: the name of the unit of every parameter outside the units.
+
+    Raises:
+        UnitError: a unit path that matches nothing, nested units, a parameter shared by two units, a
+            unit without parameters of its own.
+    """
+
+    def __init__(self, model: nnx.Module, units: UnitSelector | None, root: str):
+        uses, modules = _variable_uses(model)
+        self.units = _select_units(modules, units)
+        self.root = root
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        self.fqns = [fqn(path) for path, _ in leaves]
+        self.tree = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        self.treedef = jax.tree_util.tree_structure(params)
+        var_at = {path: var_id for var_id, paths in uses.items() for path in paths}
+        self.owner = {n: _owner(uses[var_at[n]], self.units, root, n) for n in self.fqns}
+        for u in self.units:
+            if u not in self.owner.values():
+                raise UnitError(f"unit {u!r} has no parameters of its own")
+        self.shapes = {n: (tuple(a.shape), a.dtype) for n, (_, a) in zip(self.fqns, leaves)}
+
+    def flatten(self, model: Any) -> dict[str, jax.Array]:
+        return flatten_params(nnx.state(model, nnx.Param) if isinstance(model, nnx.Module) else model)
+
+    def forward(self, units: Units, inputs: Any) -> Any:
+        root = units.gather(self.root) if self.root in units.layouts else {}
+        values = [root[n] if self.owner[n] == self.root else _Sharded(n, self.owner[n], *self.shapes[n])
+                  for n in self.fqns]
+        model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self.treedef, values), self.rest)
+
+        def unit_call(path: tuple, node: Any) -> Any:
+            unit = _dotted(path)
+            return _UnitCall(units, unit, node) if unit in self.units else node
+
+        return nnx.recursive_map(unit_call, model)(inputs)
