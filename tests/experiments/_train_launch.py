@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "llama-tiny", "--dtype", "fp32", "--batch", "8", "--seq-len", "32", "--no-progress"]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "experiments" / "notebooks" / "tour.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "experiments" / "notebooks" / "tour.ipynb"
 LOSS_GAP = re.compile(r"(\S+) loss gap vs reference: torch (\S+), JAX (\S+)")
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from _train_launch import TINY, finish, losses, start_jax
+
+from tests.experiments._train_launch import TINY, finish, losses, start_jax
 
 STEPS = 4
 

@@ -13,11 +13,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from _train_launch import ROOT, TINY, losses, run, torchrun
 
 import ragged
 from experiments._train.data import TokenSource
 from experiments.train import main
+from tests.experiments._train_launch import ROOT, TINY, losses, run, torchrun
 
 STEPS, LR, WD = 5, 3e-3, 0.1
 
