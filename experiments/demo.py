@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from experiments._distributed import leave_and_exit, rendezvous
+
 if TYPE_CHECKING:  # torch is imported where it runs: the JAX worker never loads it
     import torch
     from torch.distributed.device_mesh import DeviceMesh
@@ -87,9 +89,7 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
     from torch_backend.models import cross_entropy
 
     torch.set_num_threads(1)
-    # A file rendezvous: no free-port race with other jobs on the machine.
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group("gloo", init_method=rendezvous(workdir), rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
     model = build(mesh)
     load_neutral_checkpoint(init, model)  # full tensors in, each rank keeps its ragged shards
@@ -107,10 +107,7 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
     save_neutral_checkpoint(Path(workdir) / "torch_final", model)
     if rank == 0:
         (Path(workdir) / "torch_losses.json").write_text(json.dumps(losses))
-    # Every rank reaches the end before any tears gloo down: a rank still in a collective when a peer's
-    # connection closes aborts ("terminate called without an active exception", seen under load).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_and_exit()  # never finalizes with gloo threads alive (see experiments._distributed)
 
 
 def torch_fsdp(world_size: int, steps: int, init: Path, workdir: Path,

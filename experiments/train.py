@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import ragged
+from experiments._distributed import leave_and_exit
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,3 +137,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    leave_and_exit()  # gloo threads outlive the process group: never finalize (experiments._distributed)

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.ports import coordinator_port
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model", "llama-tiny", "--dtype", "fp32", "--batch", "8", "--seq-len", "32", "--no-progress"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env(devices: int = 1) -> dict:
@@ -32,13 +27,15 @@ def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--master-port", str(free_port()), "-m", "experiments.train", "--stack", "torch", *args])
+    """``torchrun --standalone``: its agent binds the rendezvous store to a port the kernel picks at that
+    moment and the workers join that store, so no port is chosen ahead (and none can be taken meanwhile)."""
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                "-m", "experiments.train", "--stack", "torch", *args])
 
 
 def start_jax(nproc: int, args: list[str], cache: Path) -> list[subprocess.Popen]:
     """``nproc`` JAX processes joined by explicit coordinator flags, sharing a compilation cache."""
-    coordinator = f"localhost:{free_port()}"
+    coordinator = f"localhost:{coordinator_port()}"
     jax_env = {**env(), "JAX_COMPILATION_CACHE_DIR": str(cache),
                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

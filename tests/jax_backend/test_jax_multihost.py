@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,18 +11,13 @@ from pathlib import Path
 from jax_reference import rel_err
 
 import ragged
+from tests.ports import coordinator_port
 
 HERE = Path(__file__).parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_single_device(tmp_path, reference):
-    port = free_port()
+    port = coordinator_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent)]),
            "OMP_NUM_THREADS": "1"}
     env.pop("XLA_FLAGS", None)  # each worker sets its own device count
