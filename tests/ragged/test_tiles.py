@@ -125,6 +125,7 @@ def test_assign_roots_is_within_the_largest_cost_of_the_optimum(seed):
     assert roots == assign_roots(list(costs), world)  # deterministic
     assert all(0 <= r < world for r in roots)
     makespan = max(sum(c for c, r in zip(costs, roots) if r == d) for d in range(world))
+    # Bound: Graham's list-scheduling bound, greedy makespan <= optimum + the largest job.
     assert makespan <= _brute_makespan(costs, world) + max(costs)
 
 
