@@ -32,9 +32,8 @@ def rendezvous(workdir: str | Path) -> str:
 def leave_and_exit(code: int = 0) -> NoReturn:
     """Barrier, destroy the process group, flush, and end the process with ``code`` (see the module
     docstring). Whatever the rank must leave behind (files, queue items) is written before this."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # a JAX-only process never imports torch for this
+    if dist is not None and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()
