@@ -32,14 +32,7 @@ import ragged
 import ragged.quant
 from experiments import adam8bit_quality as quality
 from torch_backend.models import Llama, cross_entropy
-from torch_backend.optim._adam8bit import (
-    dequantize_m,
-    dequantize_v,
-    from_tiles,
-    quantize_m,
-    quantize_v,
-    to_tiles,
-)
+from torch_backend.optim import from_tiles, requantize_moments, to_tiles
 
 RESULTS = Path(__file__).parent / "results"
 EPS = 1e-8
@@ -48,9 +41,7 @@ Requantize = Callable[[torch.Tensor, torch.Tensor, tuple[int, ...]], tuple[torch
 
 def ours(m: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """``Adam8bit``'s round trip of flat fp32 moments (32x32 tiles, SIGNED m, UNSIGNED sqrt(v))."""
-    def trip(x, q, dq):
-        return from_tiles(dq(*q(to_tiles(x, shape, ragged.quant.TILE))), shape, ragged.quant.TILE)
-    return trip(m, quantize_m, dequantize_m), trip(v, quantize_v, dequantize_v)
+    return requantize_moments(m, v, shape, ragged.quant.TILE)
 
 
 def torchao(m: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

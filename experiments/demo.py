@@ -5,7 +5,10 @@
 3. JAX: W host CPU devices train it with ``jax_backend`` (``shard_map``, flax NNX, optax), starting
    from the torch initial weights through the framework-neutral checkpoint.
 4. A single-process torch run is the reference; the table shows every step's loss on all three and
-   the largest relative difference of the final parameters.
+   the largest relative difference of the final parameters, beside the differences that come from
+   rounding alone: the reference run again on the ranks' rows as W micro-batches (what data parallelism
+   changes), and JAX on one device (what XLA's kernels change). fp32 rounding in another order, which
+   AdamW amplifies where a gradient is near zero.
 
 Run: ``python -m experiments.demo [--world-size 4] [--steps 10]`` (``make demo``). JAX runs in its own
 process because XLA reads the host device count once, at import, and torch workers never fork.
@@ -25,11 +28,18 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from experiments._distributed import leave_and_exit, rendezvous
+
 if TYPE_CHECKING:  # torch is imported where it runs: the JAX worker never loads it
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
 BATCH, SEQ, LR, WEIGHT_DECAY, SEED = 16, 32, 3e-3, 0.1, 0
+# How far a sharded run's loss may be from the reference's: a step's loss is the mean over the batch's
+# BATCH * SEQ tokens, which a sharded run sums in another order (each rank its rows, then the ranks), and
+# n terms summed in another order differ by at most (n - 1) fp32 unit roundoffs (eps / 2), relative.
+# The parameters' tiny differences add far less over these few steps (measured: 3e-7 at most).
+LOSS_RTOL = (BATCH * SEQ - 1) * float(np.finfo(np.float32).eps) / 2  # 3.0e-5
 
 
 def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,9 +58,11 @@ def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ----- PyTorch ---------------------------------------------------------------------------------------
-def torch_reference(model: torch.nn.Module, steps: int, init: Path, out: Path) -> list[float]:
+def torch_reference(model: torch.nn.Module, steps: int, init: Path, out: Path,
+                    micro_batches: int = 1) -> list[float]:
     """Single-process training of ``model`` (any module: token ids -> logits) from the initial weights
-    ``init``; writes the final weights to ``out``."""
+    ``init``; writes the final weights to ``out``. With ``micro_batches`` W, each step's batch is split
+    into the W ranks' rows and the gradients averaged, as data-parallel training splits it."""
     import torch
 
     from torch_backend import load_neutral_checkpoint, save_neutral_checkpoint
@@ -61,11 +73,14 @@ def torch_reference(model: torch.nn.Module, steps: int, init: Path, out: Path) -
     losses = []
     for step in range(steps):
         x, y = (torch.from_numpy(a) for a in batch(step))
-        loss = cross_entropy(model(x), y)
-        loss.backward()
+        loss = 0.0
+        for rows_x, rows_y in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            part = cross_entropy(model(rows_x), rows_y) / micro_batches
+            part.backward()
+            loss += part.item()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss)
     save_neutral_checkpoint(out, model)
     return losses
 
@@ -87,9 +102,7 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
     from torch_backend.models import cross_entropy
 
     torch.set_num_threads(1)
-    # A file rendezvous: no free-port race with other jobs on the machine.
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group("gloo", init_method=rendezvous(workdir), rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
     model = build(mesh)
     load_neutral_checkpoint(init, model)  # full tensors in, each rank keeps its ragged shards
@@ -107,10 +120,7 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
     save_neutral_checkpoint(Path(workdir) / "torch_final", model)
     if rank == 0:
         (Path(workdir) / "torch_losses.json").write_text(json.dumps(losses))
-    # Every rank reaches the end before any tears gloo down: a rank still in a collective when a peer's
-    # connection closes aborts ("terminate called without an active exception", seen under load).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_and_exit()  # never finalizes with gloo threads alive (see experiments._distributed)
 
 
 def torch_fsdp(world_size: int, steps: int, init: Path, workdir: Path,
@@ -171,13 +181,17 @@ def max_relative_difference(a: Path, b: Path) -> float:
 
 class DemoResult(NamedTuple):
     """Per-step losses of the three runs, and each sharded run's final-parameter distance from the
-    1-process reference (largest per-tensor ``||a - b|| / ||b||``)."""
+    1-process reference (largest per-tensor ``||a - b|| / ||b||``), beside the same distance of the
+    reference trained on the ranks' rows as micro-batches (what data parallelism alone changes) and of
+    JAX on one device (what XLA's kernels alone change)."""
 
     reference: list[float]
     torch: list[float]
     jax: list[float]
     torch_params: float
     jax_params: float
+    data_parallel_params: float
+    jax_one_device_params: float
 
 
 def run(world_size: int, steps: int) -> DemoResult:
@@ -197,14 +211,19 @@ def run(world_size: int, steps: int) -> DemoResult:
         torch.set_num_threads(1)
         try:
             reference = torch_reference(Llama(), steps, init, workdir / "reference_final")
+            torch_reference(Llama(), steps, init, workdir / "data_parallel_final", micro_batches=world_size)
         finally:
             torch.set_num_threads(threads)
         torch_losses = torch_fsdp(world_size, steps, init, workdir)
         jax_losses = jax_fsdp(world_size, steps, init, workdir)
+        (workdir / "jax_one_device").mkdir()
+        jax_fsdp(1, steps, init, workdir / "jax_one_device")
         ref = workdir / "reference_final"
         return DemoResult(reference, torch_losses, jax_losses,
                           max_relative_difference(ref, workdir / "torch_final"),
-                          max_relative_difference(ref, workdir / "jax_final"))
+                          max_relative_difference(ref, workdir / "jax_final"),
+                          max_relative_difference(ref, workdir / "data_parallel_final"),
+                          max_relative_difference(ref, workdir / "jax_one_device" / "jax_final"))
 
 
 def print_plan(world_size: int) -> None:
@@ -252,7 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     console = Console()
     console.print(table)
     console.print(f"final parameters, largest relative difference from the 1-process reference: "
-                  f"torch fully_shard {result.torch_params:.1e}, JAX {result.jax_params:.1e}")
+                  f"torch fully_shard {result.torch_params:.1e}, JAX {result.jax_params:.1e}; rounding "
+                  f"alone: torch on {args.world_size} micro-batches {result.data_parallel_params:.1e}, "
+                  f"JAX on 1 device {result.jax_one_device_params:.1e}")
 
 if __name__ == "__main__":
     main()

@@ -9,8 +9,6 @@ per unit. Checked against plain single-GPU training of the same llama-tiny (same
 
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import sys
 import time
@@ -62,12 +60,8 @@ def main() -> int:
     from torch_backend.fsdp import units
     from torch_backend.models import Llama, parallelize
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)  # one process: no port
     device = torch.device("cuda", 0)
     mesh = init_device_mesh("cuda", (1,))
     rows = []

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ragged
 import ragged.muon
+from experiments._distributed import leave_and_exit, rendezvous
 from experiments._muon_case import CONFIG, LR, MOMENTUM, layouts, matrices
 
 RESULTS = Path(__file__).parent / "results"
@@ -86,13 +86,13 @@ def _workaround_step(params: list, state: dict, lr: float, mu: float, ns_dtype: 
         local.add_(mine.reshape(local.shape), alpha=-lr * ragged.muon.muon_scale(tuple(p.shape)))
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, workdir: str, args: argparse.Namespace, out: dict) -> None:
     torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=rendezvous(workdir), rank=rank,
+                            world_size=world)
     from torch.distributed import tensor as dtensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -183,15 +183,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
     result["ns_flops_per_rank"] = ovl_opt.newton_schulz_load().tolist()
     result["split_matrices"] = sum(len(ovl_opt.ns_devices(p)) > 1 for p in live.values())
     out[rank] = result
-    dist.destroy_process_group()
 
 
-def _run(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+def _run(rank: int, world: int, workdir: str, args: argparse.Namespace, queue) -> None:
     out: dict = {}
     try:
-        _worker(rank, world, port, args, out)
+        _worker(rank, world, workdir, args, out)
     finally:  # a failed rank answers too, so the launcher never waits on it
         queue.put((rank, out.get(rank)))
+        queue.close()
+        queue.join_thread()  # the answer is in the pipe before the process ends
+    leave_and_exit()
 
 
 def main() -> None:
@@ -221,20 +223,18 @@ def main() -> None:
 
 def run_torch(args: argparse.Namespace) -> None:
     """The torch half: ``--world-size`` processes (spawned: never forked after jax)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(r, args.world_size, port, args, queue))
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
+    with tempfile.TemporaryDirectory() as workdir:
+        procs = [ctx.Process(target=_run, args=(r, args.world_size, workdir, args, queue))
+                 for r in range(args.world_size)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=900) for _ in procs)
+        for p in procs:
+            p.join()
     if any(r is None for r in results.values()):
         raise SystemExit(f"ranks {[k for k, r in results.items() if r is None]} failed (see their traceback)")
-    for p in procs:
-        p.join()
     summary = summarize(results, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"summary": summary, "per_rank": results}, indent=1))

@@ -28,8 +28,8 @@ import datetime
 import json
 import os
 import resource
-import socket
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from experiments._distributed import leave_and_exit, rendezvous
 from ragged.models import LlamaConfig, flops_per_token, trained_llama, trained_model_names
 
 # The run's settings; ``--world/--model/--batch/--seq/--device/--dtype`` replace them (in every worker).
@@ -262,15 +263,14 @@ def _configure(setup: dict) -> None:
     globals().update(setup)
 
 
-def _worker(rank: int, port: int, name: str, mode: str, kind: str, warmup: int, steps: int, queue,
+def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: int, steps: int, queue,
             setup: dict) -> None:
     _configure(setup)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if DEVICE == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=rendezvous(workdir),
+                            rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_backend  # noqa: F401  (imported before _mark_collectives wraps torch.distributed, as in the recorded runs)
@@ -279,26 +279,23 @@ def _worker(rank: int, port: int, name: str, mode: str, kind: str, warmup: int, 
     mesh = init_device_mesh(DEVICE, (WORLD,))
     result = (_timing(name, rank, mesh, warmup, steps) if mode == "timing"
               else _memory(name, kind, mesh, warmup + steps))
-    queue.put((rank, result))
-    dist.barrier()
-    dist.destroy_process_group()
+    queue.put((rank, result))  # a SimpleQueue: written before put returns
+    leave_and_exit()
 
 
 def _launch(name: str, mode: str, kind: str, warmup: int, steps: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the workers: big frees leave the RSS
     setup = dict(WORLD=WORLD, CONFIG=CONFIG, BATCH=BATCH, SEQ=SEQ, DEVICE=DEVICE, DTYPE=DTYPE)
-    procs = [ctx.Process(target=_worker, args=(r, port, name, mode, kind, warmup, steps, queue, setup))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    with tempfile.TemporaryDirectory() as workdir:
+        procs = [ctx.Process(target=_worker, args=(r, workdir, name, mode, kind, warmup, steps, queue, setup))
+                 for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get() for _ in procs)
+        for p in procs:
+            p.join()
     return [results[r] for r in range(WORLD)]
 
 

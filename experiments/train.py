@@ -25,6 +25,7 @@ from pathlib import Path
 import ragged
 import ragged.advise
 import ragged.models
+from experiments._distributed import leave_and_exit
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,3 +143,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    leave_and_exit()  # gloo threads outlive the process group: never finalize (experiments._distributed)

@@ -191,6 +191,8 @@ def run(args, config: ragged.models.LlamaConfig, plan_check, settings: dict) -> 
                 done = step + 1
                 if ckpt_root is not None and (done % args.save_interval == 0 or done == args.steps):
                     save(checkpoints.step_dir(ckpt_root, done), model, opt, args.optimizer)
-        return monitor.print_summary(f"torch, {world} {dev.type} process(es)")
+        summary = monitor.print_summary(f"torch, {world} {dev.type} process(es)")
+        dist.barrier()  # no rank closes its connections while a peer is still in a collective
+        return summary
     finally:
         dist.destroy_process_group()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,19 +11,14 @@ from pathlib import Path
 import ragged
 import ragged.checkpoint
 from tests.jax_backend.jax_reference import rel_err
+from tests.ports import coordinator_port
 
 HERE = Path(__file__).parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_single_device(tmp_path, reference):
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent.parent),
+    port = coordinator_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent)]),
            "OMP_NUM_THREADS": "1"}
     env.pop("XLA_FLAGS", None)  # each worker sets its own device count
     workers = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(pid), str(port),
@@ -41,6 +35,10 @@ def test_two_processes_match_single_device(tmp_path, reference):
     assert all(w.returncode == 0 for w in workers), "\n".join(o[-3000:] for o in outputs)
     ref_losses, ref_params = reference
     losses = json.loads((tmp_path / "losses.json").read_text())
+    # Bound: fp32 sharded vs one device, same recipe: data-parallel rounding (the batch mean summed in another
+    # order; on the demo's llama-tiny 3e-7 for losses, 6e-6 for parameters, AdamW-amplified). No derivation,
+    # CPU-dependent (issue 19): a bound relative to a data-parallel baseline, as in
+    # tests/experiments/test_demo.py, would give it one.
     assert rel_err(losses, ref_losses) <= 1e-5
     checkpoint = ragged.checkpoint.load_neutral_checkpoint(tmp_path / "ckpt")
     assert [lay.world_size for lay in checkpoint.layouts] == [4] * len(checkpoint.layouts)

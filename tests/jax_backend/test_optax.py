@@ -328,6 +328,10 @@ def test_pytree_recipe_trains_the_model_like_single_device():
     for b in data:
         buffers, state, loss = step(buffers, state, b[:, :-1], b[:, 1:])
         losses.append(float(loss))
+    # Bound: fp32 sharded vs one device, same recipe: data-parallel rounding (the batch mean summed in another
+    # order; on the demo's llama-tiny 3e-7 for losses, 6e-6 for parameters, AdamW-amplified). No derivation,
+    # CPU-dependent (issue 19): a bound relative to a data-parallel baseline, as in
+    # tests/experiments/test_demo.py, would give it one.
     assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
     got = _unpack(fsdp, buffers)
     for n in ref_params:

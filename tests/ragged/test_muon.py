@@ -52,6 +52,7 @@ def test_llama3_8b_layers_balance_within_ten_percent(world):
         m, n = min(s), max(s)
         want[r] += 5 * (4 * m * m * n + 2 * m ** 3)
     np.testing.assert_array_equal(load, want)
+    # Bound: the 10% Muon's default max_imbalance (1.1) asks for, which whole-matrix roots meet here.
     assert load.max() / load.mean() <= 1.1
     # deterministic
     assert devices == ragged.muon.assign_ns_devices([ragged.muon.newton_schulz_flops(s) for s in mats], world)
@@ -117,6 +118,7 @@ def test_llama3_8b_layers_balance_within_ten_percent_with_split_groups(world):
         for d in devices:
             want[d] += 5 * (4 * m * m * n + 2 * m ** 3) // len(devices)
     np.testing.assert_array_equal(load, want)
+    # Bound: 1.1, assign_groups' default max_imbalance, which it splits matrices to meet.
     assert load.max() / load.mean() <= 1.1
     costs = [ragged.muon.newton_schulz_flops(s) for s in mats]
     if world < 256:  # no split needed: the whole-matrix NS devices
@@ -149,6 +151,7 @@ def test_assign_ns_devices_is_within_the_largest_cost_of_the_optimum(seed):
     assert devices == ragged.muon.assign_ns_devices(list(costs), world)  # deterministic
     assert all(0 <= r < world for r in devices)
     makespan = max(sum(c for c, r in zip(costs, devices) if r == d) for d in range(world))
+    # Bound: Graham's list-scheduling bound, greedy makespan <= optimum + the largest job.
     assert makespan <= _brute_makespan(costs, world) + max(costs)
 
 

@@ -4,6 +4,11 @@ One launch per (test module, world size): every worker initialises a gloo proces
 timeout, loads the test module from its file, runs ``checks(rank, world_size, *args)`` -- which returns
 ``{case name: None | error text}`` -- and sends the dict back. A worker that hangs is killed when the
 launch times out, and the failure names the ranks that did not answer.
+
+Workers meet through a file in a directory of the launch (no port to probe, so none another job can
+take in between), and leave as ``experiments._distributed.leave_and_exit`` explains: barrier, destroy,
+then end without finalizing the interpreter, which a gloo thread still freeing a collective's tensors
+would abort (SIGABRT, "terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -12,19 +17,14 @@ import importlib.util
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
+import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
 Results = dict[str, str | None]
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch_backend"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _load(path: str):
@@ -37,19 +37,30 @@ def _load(path: str):
 
 
 def _worker(
-    path: str, fn: str, args: tuple, rank: int, world: int, port: int, pg_timeout_s: float, out
+    path: str, fn: str, args: tuple, rank: int, world: int, workdir: str, pg_timeout_s: float, out
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        import torch
-        import torch.distributed as dist
+    import torch
+    import torch.distributed as dist
 
+    finished = False
+    try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s))
-        out.put((rank, getattr(_load(path), fn)(rank, world, *args)))
-        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=pg_timeout_s))
+        result = getattr(_load(path), fn)(rank, world, *args)
+        finished = True
     except BaseException:  # report anything, including a failed init, instead of leaving the launcher waiting
-        out.put((rank, {"<worker>": traceback.format_exc()}))
+        result = {"<worker>": traceback.format_exc()}
+    out.put((rank, result))
+    out.close()
+    out.join_thread()  # the answer is in the pipe before the process ends
+    if dist.is_initialized():
+        if finished:
+            dist.barrier()  # no rank closes its connections while a peer is still in a collective
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _context():
@@ -75,26 +86,29 @@ def collect(path: str, fn: str, world: int, *args: object, answers: int | None =
     """
     ctx = _context()
     out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(path, fn, args, r, world, port, pg_timeout_s, out), daemon=True)
-        for r in range(world)
-    ]
     results: dict[int, Results] = {}
-    try:
-        for p in procs:
-            p.start()
-        while len(results) < (world if answers is None else answers):
-            try:
-                rank, res = out.get(timeout=timeout_s)
-            except queue_mod.Empty:
-                break
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    with tempfile.TemporaryDirectory() as workdir:
+        procs = [
+            ctx.Process(target=_worker, args=(path, fn, args, r, world, workdir, pg_timeout_s, out),
+                        daemon=True)
+            for r in range(world)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            while len(results) < (world if answers is None else answers):
+                try:
+                    rank, res = out.get(timeout=timeout_s)
+                except queue_mod.Empty:
+                    break
+                results[rank] = res
+        finally:
+            for p in procs:
+                if p.pid is None:  # never started: a failed start's own error is the one to see
+                    continue
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
     return results
 
 

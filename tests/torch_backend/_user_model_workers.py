@@ -251,7 +251,8 @@ def _meta_initialized(mesh=None) -> nn.Module:
 
 
 def _meta_llama(mesh, rank: int, world: int) -> dict:
-    """The meta-device recipe sharded trains like the same recipe single-process (same seed)."""
+    """The meta-device recipe sharded trains like the same recipe single-process (same seed), and FSDP2
+    trains the same initial values (built on CPU by the same recipe) on the same rows, as the baseline."""
     from torch_backend.fsdp import units
 
     model = _meta_initialized(mesh)
@@ -262,8 +263,12 @@ def _meta_llama(mesh, rank: int, world: int) -> dict:
     rows = slice(rank * B // world, (rank + 1) * B // world)
     losses = train(model, rows)
     out = against(lambda: reference("meta_llama"), losses, full_params(model))
+    fsdp2 = shard(_meta_initialized(), mesh, "fsdp2")
+    fsdp2_losses = train(fsdp2, rows)
+    baseline = against(lambda: reference("meta_llama"), fsdp2_losses, full_params(fsdp2))
     if rank == 0:
         out["init"] = rel_errors(init, reference("meta_llama")["init"])
+        out["fsdp2"] = baseline
     return out | {"views": views}
 
 

@@ -59,4 +59,6 @@ def test_checkpoint_torn_by_a_dead_rank_leaves_the_previous_one_loadable(tmp_pat
     dcp.load(state, checkpoint_id=str(tmp_path / "complete"))
     for n, v in want.items():
         got = state[f"model.{n}"].numpy()
+        # Bound: one AdamW step from the same init: Adam's first direction is g/|g| (+-1) wherever a gradient
+        # is not negligible, so data-parallel rounding of g barely shows; 1e-5 ~ 80 fp32 eps.
         assert np.linalg.norm(got - v) <= 1e-5 * np.linalg.norm(v), n

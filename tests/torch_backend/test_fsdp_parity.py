@@ -19,6 +19,14 @@ from tests.torch_backend import _fsdp_workers as W
 from tests.torch_backend._dist import launch
 
 WORKERS = str(Path(W.__file__))
+# Bounds. Losses: a step's loss is the mean over B * T token predictions, which a sharded run sums in
+# another order (each rank its rows, then the ranks): at most (n - 1) fp32 unit roundoffs (eps / 2).
+LOSS_RTOL = (W.B * W.T - 1) * float(np.finfo(np.float32).eps) / 2  # 192 predictions: 1.1e-5
+# Parameters: no derivation (issue 19). AdamW amplifies rounding wherever a gradient is near zero, by an
+# amount that depends on the CPU's kernels. Measured here: the reference trained on the ranks' rows as
+# micro-batches (data parallelism's own rounding) is 3e-7 to 5e-7 away at 2, 3 and 4 ranks, in every
+# order of the micro-batches; fully_shard is within 2x of that at 1, 2 and 4 ranks but 4.0e-6 away at 3
+# ranks (layers.2.attention.wo.weight), which is why a bound relative to that baseline does not hold yet.
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2  # a few bf16 epsilons (2^-8) after 10 steps
 
@@ -68,7 +76,7 @@ def assert_losses_close(got: list[float], want: list[float], rtol: float) -> Non
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fp32_matches_single_process(run, reference, world):
     r = result(run(world), "fp32")
-    assert_losses_close(r["losses"], reference["losses"], FP32_RTOL)
+    assert_losses_close(r["losses"], reference["losses"], LOSS_RTOL)
     assert_params_close(r["params"], reference["params"], FP32_RTOL)
 
 
@@ -83,13 +91,13 @@ def test_bf16_mixed_precision_within_bf16_tolerance(run, reference):
 def test_hsdp_2x2_matches_single_process(run, reference):
     r = result(run(4), "hsdp")
     assert "Replicate()" in r["placements"] and "RaggedShard" in r["placements"]
-    assert_losses_close(r["losses"], reference["losses"], FP32_RTOL)
+    assert_losses_close(r["losses"], reference["losses"], LOSS_RTOL)
     assert_params_close(r["params"], reference["params"], FP32_RTOL)
 
 
 def test_gradient_accumulation_matches_one_large_batch(run, reference):
     r = result(run(2), "accumulate")
-    assert_losses_close(r["losses"], reference["losses"], FP32_RTOL)
+    assert_losses_close(r["losses"], reference["losses"], LOSS_RTOL)
     assert_params_close(r["params"], reference["params"], FP32_RTOL)
 
 
@@ -97,8 +105,8 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2(run, reference):
     four = result(run(4), "fp32")
     r = result(run(2), "resume")
     assert_params_close(r["loaded"], reference["params_at_save"], FP32_RTOL)
-    assert_losses_close(r["losses"], four["losses"][W.SAVE_AT:], FP32_RTOL)
-    assert_losses_close(r["losses"], reference["losses"][W.SAVE_AT:], FP32_RTOL)
+    assert_losses_close(r["losses"], four["losses"][W.SAVE_AT:], LOSS_RTOL)
+    assert_losses_close(r["losses"], reference["losses"][W.SAVE_AT:], LOSS_RTOL)
     assert_params_close(r["params"], four["params"], FP32_RTOL)
 
 

@@ -6,8 +6,6 @@ this process (no fork), which is enough to see states, views and prefetch decisi
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch
@@ -127,10 +125,7 @@ def test_mixed_precision_policy_validates_and_resolves():
 
 @pytest.fixture(scope="module")
 def mesh():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no port
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
 

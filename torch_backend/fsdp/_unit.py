@@ -11,6 +11,7 @@ sharded parameter's ``.grad`` is a DTensor view into that shard. Nothing is pack
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,7 @@ class Unit:
             layout, rank, reduce_dtype, device, with_shard=False)
         self.main_grad = DBuffer(layout, rank, master_dtype, device)
         self.unsharded: list[nn.Parameter] = []
+        unit = weakref.ref(self)
         self._sharded_grads: list[DTensor] = []
         for i, (ref, placements) in enumerate(zip(self.refs, self._placements)):
             slot = layout.slot(ref.name)
@@ -144,7 +146,9 @@ class Unit:
             # Hooks on every parameter: ``requires_grad`` may be switched on after wrapping.
             unsharded = nn.Parameter(self.compute.full_view(ref.name))
             unsharded.register_hook(self._on_first_grad)
-            unsharded.register_post_accumulate_grad_hook(lambda _, i=i: self._on_grad_accumulated(i))
+            # A weak reference: torch's garbage collector does not see this hook, so a strong one would
+            # keep the unit, its mesh and its process group alive until exit (gloo threads included).
+            unsharded.register_post_accumulate_grad_hook(lambda _, i=i: unit()._on_grad_accumulated(i))
             self.unsharded.append(unsharded)
         self.main_grad.free_shard()  # views are made; the storage comes back with the first reduce
 

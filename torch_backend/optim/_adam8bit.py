@@ -123,6 +123,26 @@ def from_tiles(tiles: torch.Tensor, shape: tuple[int, ...], tile: Tile) -> torch
     return tiles.reshape(-1, per_band, r, c).permute(0, 2, 1, 3).reshape(-1)
 
 
+def requantize_moments(m: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...],
+                       tile: Tile = ragged.quant.TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``Adam8bit`` reads back after storing fp32 moments: one 8-bit store and load of each.
+
+    Args:
+        m, v: fp32 first and second moments of a flat local slice of a parameter of ``shape`` (whole
+            bands of blocks, as ``to_tiles`` takes them).
+        shape: the parameter's full shape, which decides its blocks (``ragged.quant.quant_tile``).
+        tile: the quantization tile ``(R, C)``.
+
+    Returns:
+        ``(m, v)`` flat, as ``Adam8bit`` holds them: ``m`` on the ``SIGNED`` codebook and ``sqrt(v)`` on
+        the ``UNSIGNED`` one, each block scaled by its absmax.
+    """
+    def trip(x: torch.Tensor, quantize_x, dequantize_x) -> torch.Tensor:
+        return from_tiles(dequantize_x(*quantize_x(to_tiles(x, shape, tile))), shape, tile)
+
+    return trip(m, quantize_m, dequantize_m), trip(v, quantize_v, dequantize_v)
+
+
 # ----- the AdamW math --------------------------------------------------------------------------------
 def adam_direction(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, step: int,
                    betas: tuple[float, float], eps: float) -> torch.Tensor:

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
-TINY = ["--model", "llama-tiny", "--dtype", "fp32", "--batch", "8", "--seq-len", "32", "--no-progress"]
+from tests.ports import coordinator_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ROOT = Path(__file__).resolve().parents[2]
+BATCH, SEQ = 8, 32
+TINY = ["--model", "llama-tiny", "--dtype", "fp32", "--batch", str(BATCH), "--seq-len", str(SEQ),
+        "--no-progress"]
+# A distributed run's loss against one process's: the step's loss is the mean over BATCH * SEQ token
+# predictions, summed in another order (each rank its rows, then the ranks), which changes it by at most
+# (n - 1) fp32 unit roundoffs (eps / 2), relative; the parameters' differences add far less in 5 steps.
+LOSS_RTOL = (BATCH * SEQ - 1) * 2.0**-24  # 1.5e-5
 
 
 def env(devices: int = 1) -> dict:
@@ -32,13 +33,15 @@ def run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--master-port", str(free_port()), "-m", "experiments.train", "--stack", "torch", *args])
+    """``torchrun --standalone``: its agent binds the rendezvous store to a port the kernel picks at that
+    moment and the workers join that store, so no port is chosen ahead (and none can be taken meanwhile)."""
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                "-m", "experiments.train", "--stack", "torch", *args])
 
 
 def start_jax(nproc: int, args: list[str], cache: Path) -> list[subprocess.Popen]:
     """``nproc`` JAX processes joined by explicit coordinator flags, sharing a compilation cache."""
-    coordinator = f"localhost:{free_port()}"
+    coordinator = f"localhost:{coordinator_port()}"
     jax_env = {**env(), "JAX_COMPILATION_CACHE_DIR": str(cache),
                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

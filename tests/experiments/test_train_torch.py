@@ -18,7 +18,7 @@ import ragged
 import ragged.models
 from experiments._train.data import TokenSource
 from experiments.train import main
-from tests._train_launch import ROOT, TINY, losses, run, torchrun
+from tests.experiments._train_launch import LOSS_RTOL, ROOT, TINY, losses, run, torchrun
 
 STEPS, LR, WD = 5, 3e-3, 0.1
 
@@ -59,7 +59,7 @@ def test_torchrun_two_gloo_processes_match_plain_training_and_resume_bit_exactly
     assert [after[s] for s in (2, 3)] == [before[s] for s in (2, 3)]  # resumed bit for bit
     want = plain_torch_losses(STEPS)
     got = [after[s] for s in range(STEPS)]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=LOSS_RTOL)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000002", "step_00000004",
                                                                          "step_00000005"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests._train_launch import TINY, finish, losses, start_jax
+from tests.experiments._train_launch import LOSS_RTOL, TINY, finish, losses, start_jax
 
 STEPS = 4
 
@@ -27,4 +27,5 @@ def test_two_jax_processes_match_one_and_resume_bit_exactly(tmp_path):
     (reference,) = finish(one)
     assert reference.returncode == 0, reference.stdout[-3000:]
     want = losses(tmp_path / "one" / "log.jsonl")
-    np.testing.assert_allclose([after[s] for s in range(STEPS)], [want[s] for s in range(STEPS)], rtol=1e-5)
+    np.testing.assert_allclose([after[s] for s in range(STEPS)], [want[s] for s in range(STEPS)],
+                               rtol=LOSS_RTOL)

@@ -1,0 +1,41 @@
+"""How the torch launchers of experiments/ join and leave a process group, the same way everywhere.
+
+Join: ``rendezvous(workdir)``, a file in a directory of the launch, so there is no port to choose (a port
+probed free and bound later can be taken in between by any process on the machine).
+
+Leave: ``leave_and_exit()``. Every rank passes a barrier (none closes its connections while a peer is still
+in a collective), destroys the process group and ends the process without finalizing the interpreter.
+The last step is the fix for "terminate called without an active exception" (SIGABRT) at exit: a gloo
+worker thread frees a finished collective's tensors after the caller's ``wait()`` returned, and that
+needs the GIL. Once the interpreter finalizes, a thread that asks for the GIL is ended by
+``pthread_exit``, whose unwinding through gloo's ``noexcept`` destructor calls ``std::terminate`` (a core
+dump shows ``~AsyncAllreduceWork -> decref_pyobject -> take_gil -> PyThread_exit_thread``).
+``destroy_process_group`` does not join those threads while anything still references the group, and
+DTensor's caches keep the device mesh, and with it the group, for the life of the process. So a rank
+that finalized right after its last collective aborted now and then (more often under load); a rank
+that never finalizes cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+
+def rendezvous(workdir: str | Path) -> str:
+    """The ``init_method`` of a launch whose ranks share ``workdir`` (a fresh directory per launch)."""
+    return f"file://{Path(workdir).resolve()}/rendezvous"
+
+
+def leave_and_exit(code: int = 0) -> NoReturn:
+    """Barrier, destroy the process group, flush, and end the process with ``code`` (see the module
+    docstring). Whatever the rank must leave behind (files, queue items) is written before this."""
+    dist = sys.modules.get("torch.distributed")  # a JAX-only process never imports torch for this
+    if dist is not None and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,166 @@
+"""Every multi-process test and the demo, N times on the current checkout: how often does anything fail?
+
+A round runs the selected test files in one pytest process, then ``python -m experiments.demo`` (what
+``make demo`` runs). The multi-process test files are found by what they launch (gloo workers through
+``tests/torch_backend/_dist.py``, torchrun, JAX processes, the demo, the notebook kernel); the selection is
+printed and recorded, so a file the patterns miss shows. A failure is a failed or erroring test (its
+node id and the first lines of its message, from pytest's JUnit XML), a pytest process that ends
+abnormally after its tests passed (a crash at exit, e.g. SIGABRT), or a demo that exits non-zero.
+Nothing is retried.
+
+    python -m experiments.flake_loop     # 20 rounds; writes experiments/results/flake_loop.{md,json}
+    python -m experiments.flake_loop --rounds 2 --only test_demo --only test_train_torch --no-demo
+
+Run it on a quiet machine: it takes about as long per round as the multi-process part of ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+# What a test file contains when it starts more than one process.
+LAUNCHES = re.compile(r"\b_dist\b|_train_launch|experiments\.demo|nbclient|multihost_worker|"
+                      r"torch\.distributed\.run|start_processes")
+MESSAGE_LINES = 12
+
+
+def multi_process_tests() -> list[str]:
+    """Test files (relative to the repository) that launch processes, in path order."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                  if LAUNCHES.search(p.read_text()))
+
+
+def _first_lines(text: str) -> str:
+    return "\n".join(text.strip().splitlines()[:MESSAGE_LINES])
+
+
+def run_tests(files: list[str], timeout_s: float) -> tuple[int, list[dict]]:
+    """One pytest process over ``files``; returns the number of tests and the failures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *files]
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            return 0, [{"test": "pytest", "message": f"did not finish within {timeout_s:.0f} s\n"
+                        + _first_lines((e.stdout or b"")[-3000:].decode(errors="replace"))}]
+        if not xml.exists():
+            return 0, [{"test": "pytest", "message": f"exit {done.returncode}, no report:\n"
+                        + _first_lines(done.stdout[-3000:] + done.stderr[-3000:])}]
+        failures, count = [], 0
+        for case in ET.parse(xml).iter("testcase"):
+            count += 1
+            for bad in [*case.iter("failure"), *case.iter("error")]:
+                name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+                failures.append({"test": name, "message": _first_lines(
+                    (bad.get("message") or "") + "\n" + (bad.text or ""))})
+        if done.returncode not in (0, 1) or (done.returncode == 1 and not failures):
+            # the tests passed (or their failures are listed) but the process itself ended abnormally
+            failures.append({"test": "pytest process", "message": f"exit {done.returncode} after the tests:\n"
+                             + _first_lines(done.stderr[-3000:] or done.stdout[-3000:])})
+        return count, failures
+
+
+def run_demo(args: list[str], timeout_s: float) -> list[dict]:
+    cmd = [sys.executable, "-m", "experiments.demo", *args]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [{"test": "experiments.demo", "message": f"did not finish within {timeout_s:.0f} s"}]
+    if done.returncode == 0:
+        return []
+    return [{"test": "experiments.demo", "message": f"exit {done.returncode}:\n"
+             + _first_lines(done.stderr[-3000:])}]
+
+
+def checkout() -> dict:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": git("rev-parse", "HEAD"), "dirty": dirty}
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "load_at_start": load}
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# flake_loop: every multi-process test and the demo, repeated",
+        "",
+        f"`{report['command']}` on {report['checkout']['commit'][:12]}"
+        f"{' (uncommitted changes)' if report['checkout']['dirty'] else ''}, {report['machine']['cpu']}, "
+        f"{report['machine']['cores']} cores, {report['wall_s'] / 60:.1f} min.",
+        "",
+        f"**{report['rounds']} rounds, {report['failed_rounds']} with a failure, {len(report['failures'])} "
+        f"failures** ({report['tests_per_round']} tests per round"
+        f"{', and the demo' if report['demo'] else ''}).",
+        "",
+        "Test files: " + ", ".join(f"`{f}`" for f in report["test_files"]),
+        "",
+    ]
+    if report["failures"]:
+        lines += ["| round | test | message |", "|---|---|---|"]
+        for f in report["failures"]:
+            message = f["message"].replace("|", "\\|").replace("\n", "<br>")
+            lines.append(f"| {f['round']} | `{f['test']}` | {message} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--only", action="append", default=[],
+                        help="keep the test files whose path contains this (repeatable)")
+    parser.add_argument("--no-demo", dest="demo", action="store_false", help="skip the demo")
+    parser.add_argument("--demo-args", default="", help="experiments.demo's arguments (default: make demo's)")
+    parser.add_argument("--timeout-min", type=float, default=40, help="per pytest process, and per demo")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    files = [f for f in multi_process_tests() if not args.only or any(o in f for o in args.only)]
+    if not files and not args.demo:
+        parser.error("nothing to run: no test file matches --only and --no-demo is set")
+    print("test files:", *files, sep="\n  ")
+    start, failures, tests, host = time.time(), [], 0, machine()
+    for r in range(1, args.rounds + 1):
+        found = []
+        if files:
+            tests, found = run_tests(files, args.timeout_min * 60)
+        if args.demo:
+            found += run_demo(args.demo_args.split(), args.timeout_min * 60)
+        failures += [{"round": r, **f} for f in found]
+        print(f"round {r}/{args.rounds}: {len(found)} failure(s)"
+              + "".join(f"\n  {f['test']}: {f['message'].splitlines()[0] if f['message'] else ''}"
+                        for f in found), flush=True)
+    command = "python -m experiments.flake_loop " + shlex.join(sys.argv[1:] if argv is None else argv)
+    report = {"command": command.strip(),
+              "rounds": args.rounds, "test_files": files, "tests_per_round": tests, "demo": args.demo,
+              "failed_rounds": len({f["round"] for f in failures}), "failures": failures,
+              "wall_s": time.time() - start, "checkout": checkout(), "machine": host}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "flake_loop.json").write_text(json.dumps(report, indent=1))
+    (args.out / "flake_loop.md").write_text(markdown(report))
+    print(markdown(report))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
