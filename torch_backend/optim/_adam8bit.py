@@ -129,13 +129,13 @@ def requantize_moments(m: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...],
 
     Args:
         m, v: fp32 first and second moments of a flat local slice of a parameter of ``shape`` (whole
-            bands of blocks, as ``to_tiles`` takes them).
-        shape: the parameter's full shape, which decides its blocks (``ragged.quant.quant_tile``).
+            bands of tiles, as ``to_tiles`` takes them).
+        shape: the parameter's full shape, which decides its tiles (``ragged.quant.quant_tile``).
         tile: the quantization tile ``(R, C)``.
 
     Returns:
         ``(m, v)`` flat, as ``Adam8bit`` holds them: ``m`` on the ``SIGNED`` codebook and ``sqrt(v)`` on
-        the ``UNSIGNED`` one, each block scaled by its absmax.
+        the ``UNSIGNED`` one, each tile scaled by its absmax.
     """
     def trip(x: torch.Tensor, quantize_x, dequantize_x) -> torch.Tensor:
         return from_tiles(dequantize_x(*quantize_x(to_tiles(x, shape, tile))), shape, tile)
