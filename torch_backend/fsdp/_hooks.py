@@ -202,7 +202,7 @@ def _check_one_unit_per_parameter(tops: tuple[nn.Module, ...], states: list[FSDP
     for s in states:
         if s.unit is None:
             continue
-        for ref, orig in zip(s.unit.refs, s.unit.orig_ids):
+        for ref, orig in zip(s.unit.refs, s.unit.original_uids):
             fqn = f"{fqns.get(id(ref.module), '?')}.{ref.attr}".lstrip(".")
             if orig in owner:
                 first = owner[orig]

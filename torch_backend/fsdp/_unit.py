@@ -11,6 +11,7 @@ sharded parameter's ``.grad`` is a DTensor view into that shard. Nothing is pack
 from __future__ import annotations
 
 import enum
+import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -50,6 +51,19 @@ class ParamRef:
     module: nn.Module
     attr: str
     shared: tuple[tuple[nn.Module, str], ...] = ()
+
+
+_UIDS = itertools.count()
+
+
+def _uid(param: nn.Parameter) -> int:
+    """A number that names ``param`` for as long as the process lives (tied weights: the same number).
+
+    Not ``id()``: a parameter created after ``param`` is freed may get its id and look tied to it.
+    """
+    if not hasattr(param, "_ragged_fsdp_uid"):
+        param._ragged_fsdp_uid = next(_UIDS)
+    return param._ragged_fsdp_uid
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -94,7 +108,7 @@ class Unit:
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.world = mesh.size()  # gradients are averaged over every rank of the mesh
         self.mp_policy = mp_policy
-        self.orig_ids = tuple(id(p) for p in params)  # per ref: FSDP2 allows one unit per parameter
+        self.original_uids = tuple(_uid(p) for p in params)  # per ref: FSDP2 allows one unit per parameter
         self.requires_grad_sync = True
         self.ag_stream = self.rs_stream = None
         self.state = UnitState.SHARDED
