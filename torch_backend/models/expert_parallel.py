@@ -24,7 +24,7 @@ of 2 names its first expert ``experts.0``): the composed EP x RaggedShard layout
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -66,16 +66,16 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Routed:
     """What the dispatch hands to the combine of the same forward."""
 
-    token: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # (N k,) source token per row
-    weight: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # (N k,) router weight per row
-    recv_splits: list[int] = field(default_factory=list)
-    send_splits: list[int] = field(default_factory=list)
-    received: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # (M, dim) the experts' input
-    n_tokens: int = 0
+    token: torch.Tensor  # (N k,) the source token of each sent row, rows sorted by expert
+    weight: torch.Tensor  # (N k,) its router weight
+    recv_splits: list[int]  # rows received from each EP rank
+    send_splits: list[int]  # rows sent to each EP rank
+    received: torch.Tensor  # (M, dim) the experts' input
+    n_tokens: int
 
 
 class _ExpertParallelHooks:
@@ -84,7 +84,7 @@ class _ExpertParallelHooks:
     def __init__(self, n_experts: int, ep_group, ep: int) -> None:
         self.n_experts, self.group, self.ep = n_experts, ep_group, ep
         self.n_local = n_experts // ep
-        self.routed = _Routed()
+        self.routed: _Routed | None = None
 
     def dispatch(self, _module: nn.Module, args: tuple) -> tuple:
         x, weights, chosen = args  # (N, dim), (N, k), (N, k)
@@ -105,7 +105,7 @@ class _ExpertParallelHooks:
         return x_recv, ones, expert[:, None]
 
     def combine(self, module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
-        r, self.routed = self.routed, _Routed()
+        r, self.routed = self.routed, None
         if not out.requires_grad:  # no expert ran here: keep the (empty) input in the graph, so this
             # rank's backward reaches the experts unit as every other rank's does; fused tensors get a
             # zero gradient, as a whole tensor does in one process when any of its experts ran
