@@ -10,8 +10,10 @@ rank builds only its shards (torch: meta device, ``fully_shard``, init one unit 
 model, one sharded jitted init per unit), trains on synthetic tokens or a ``.bin`` token file, shows a
 progress bar with loss, tokens/s, MFU and peak memory, writes a JSON line per step, and checkpoints every
 ``--save-interval`` steps; a relaunch with the same ``--checkpoint-dir`` resumes from the newest one.
-Models: see ``ragged.models.trained_model_names()`` (mixture-of-experts presets train a dense stand-in, see
-``ragged.models.trained_llama``). Cluster recipes: docs/cluster.md.
+Models: see ``ragged.models.trained_model_names()``: the llamas, and the mixture-of-experts presets
+(``mixtral-8x7b``, ``gpt-oss-120b``, ``deepseek-v3`` at full size, ``*-tiny`` at CPU size), which the torch
+stack trains as MoE decoders (docs/moe.md) and the JAX stack, for now, as a dense stand-in with the same
+active width (``ragged.models.trained_llama``). Cluster recipes: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -74,10 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig, world: int
-                ) -> ragged.models.MemoryPlan:
+def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig | ragged.models.MoeConfig,
+                world: int) -> ragged.models.MemoryPlan:
     """The per-device plan for ``world`` devices; sets ``args.replicas`` from ``--hsdp`` (auto: advisor)."""
-    shapes = ragged.models.llama_shapes(args.model, config)
+    shapes = ragged.models.trained_shapes(args.model, config)
     granularity = ("tiles" if args.optimizer == "adam8bit" else "rows:1") if args.granularity == "auto" \
         else args.granularity
     if args.hsdp == "auto":
@@ -101,10 +103,9 @@ def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig, wor
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    config, modelled = ragged.models.trained_llama(args.model)
-    if args.model in ragged.models.model_names() and "dense llama" in modelled:
-        preset = ragged.models.model_shapes(args.model)
-        modelled += f"; the preset itself has {preset.numel / 1e9:.1f} B parameters"
+    config, modelled = ragged.models.trained_model(args.model)
+    if args.stack == "jax" and isinstance(config, ragged.models.MoeConfig):
+        config, modelled = ragged.models.trained_llama(args.model)  # JAX MoE training is not wired yet
 
     def plan_check(world: int, capacity: int, rank0: bool) -> None:
         """Every rank computes the same plan from the same (agreed) capacity, so all refuse or none."""

@@ -1,9 +1,10 @@
 """The torch stack of ``experiments.train``: torchrun processes, meta-device model, ``fully_shard``, DCP.
 
 Launched by ``torchrun`` (or as one plain process): NCCL with one GPU per process (``LOCAL_RANK``) when CUDA
-is there, gloo on CPU otherwise. The model is built on the meta device and sharded; its values are then
-written one FSDP unit at a time (``unsharded(unit)`` + ``Llama.init_weights(only=...)``), so a rank holds
-its shards plus at most one unit in full, and the values equal a single-process init with the same seed.
+is there, gloo on CPU otherwise. The model (a ``Llama`` or an ``MoEDecoder``) is built on the meta device
+and sharded; its values are then written one FSDP unit at a time (``unsharded(unit)`` +
+``init_weights(only=...)``), so a rank holds its shards plus at most one unit in full, and the values equal
+a single-process init with the same seed.
 """
 
 from __future__ import annotations
@@ -61,13 +62,13 @@ def device_capacity(dev: torch.device) -> int:
     return available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def build(args, config: ragged.models.LlamaConfig, mesh: DeviceMesh):
-    """Meta-device llama -> activation checkpointing -> ``parallelize`` -> values one unit at a time."""
+def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mesh: DeviceMesh):
+    """Meta-device model -> activation checkpointing -> ``parallelize`` -> values one unit at a time."""
     from torch_backend import MixedPrecisionPolicy, unsharded
-    from torch_backend.models import Llama, parallelize
+    from torch_backend.models import Llama, MoEDecoder, parallelize
 
     with torch.device("meta"):
-        model = Llama(config)
+        model = MoEDecoder(config) if isinstance(config, ragged.models.MoeConfig) else Llama(config)
     if args.activation_checkpointing:
         for block in model.layers:  # before fully_shard: the recompute runs inside the unit's backward
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -136,10 +137,19 @@ def peak_memory(dev: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run(args, config: ragged.models.LlamaConfig, plan_check, settings: dict) -> dict:
+def loss_function(config: ragged.models.LlamaConfig | ragged.models.MoeConfig):
+    """``(model output, targets) -> loss``: cross entropy, plus the load-balancing loss for an MoE."""
+    from torch_backend.models import cross_entropy, moe_loss
+
+    if isinstance(config, ragged.models.MoeConfig):
+        return functools.partial(moe_loss, aux_loss_coef=config.aux_loss_coef)
+    return cross_entropy
+
+
+def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_check, settings: dict
+        ) -> dict:
     """Train; ``plan_check(world, capacity)`` refuses a run that does not fit, before anything is built."""
     from torch_backend import debug_counter
-    from torch_backend.models import cross_entropy
 
     rank, world, dev = init_distributed(args.device)
     try:
@@ -157,6 +167,7 @@ def run(args, config: ragged.models.LlamaConfig, plan_check, settings: dict) -> 
             dist.barrier()
             checkpoints.check_settings(ckpt_root, settings, write=False)
         model = build(args, config, mesh)
+        loss_fn = loss_function(config)
         opt = optimizer(args, model)
         first = 0
         if (found := checkpoints.latest(ckpt_root)) is not None:
@@ -176,7 +187,7 @@ def run(args, config: ragged.models.LlamaConfig, plan_check, settings: dict) -> 
                     torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
                 with debug_counter() as counter:
-                    loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+                    loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
                     loss.backward()
                     opt.step()
                     opt.zero_grad()

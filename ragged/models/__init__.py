@@ -2,10 +2,13 @@
 
 - presets of public models: ``model_names``, ``model_shapes`` (a ``ModelShapes``: its ``UnitShapes``),
   ``LlamaConfig``, ``llama_shapes``, ``LLAMA_TINY`` (the llama both runtimes train);
+- mixture-of-experts decoders: ``MoeConfig``, ``MOE_CONFIGS`` (full-size presets and CPU-sized ``*-tiny``
+  ones), ``moe_shapes``;
 - your own model: ``read_shapes_file`` / ``parse_shapes`` (JSON), ``model_units`` (a preset's units with
   granularities resolved); both give ``UnitSpecs``;
 - estimates: ``memory_plan`` / ``MemoryPlan`` (per-device memory of a training run), ``flops_per_token``,
-  ``trained_llama`` / ``trained_model_names`` (the llama the runtimes build for a preset), ``gib``.
+  ``trained_model`` / ``trained_shapes`` / ``trained_model_names`` (the model the runtimes build for a
+  preset), ``trained_llama`` (a dense llama of the same active width), ``gib``.
 
 ``ModelShapes``, ``UnitShapes`` and ``UnitSpecs`` are defined in the core (``ragged/_units.py``) because
 ``plan_model`` reads them.
@@ -18,8 +21,11 @@ from ragged.models._memory import (
     gib,
     memory_plan,
     trained_llama,
+    trained_model,
     trained_model_names,
+    trained_shapes,
 )
+from ragged.models._moe import MOE_CONFIGS, MoeConfig, moe_shapes
 from ragged.models._presets import LLAMA_TINY, LlamaConfig, llama_shapes, model_names, model_shapes
 from ragged.models._shapes_file import model_units, parse_shapes, read_shapes_file
 
@@ -32,6 +38,9 @@ __all__ = [
     "LlamaConfig",
     "llama_shapes",
     "LLAMA_TINY",
+    "MoeConfig",
+    "MOE_CONFIGS",
+    "moe_shapes",
     "model_units",
     "parse_shapes",
     "read_shapes_file",
@@ -39,6 +48,8 @@ __all__ = [
     "memory_plan",
     "flops_per_token",
     "trained_llama",
+    "trained_model",
     "trained_model_names",
+    "trained_shapes",
     "gib",
 ]

@@ -13,13 +13,16 @@ over the rest) and adds up what one device holds during a step:
 - activations, an estimate for the llama forward that the runtimes train (eager attention through
   ``scaled_dot_product_attention``, no ``T x T`` score matrix kept): per token and layer, the tensors
   autograd saves (``2 dim + 6 n_heads head_dim + 4 ffn`` values in the compute dtype and the fp32 norm
-  inputs); with activation checkpointing only each layer's input is kept, plus one layer recomputed;
+  inputs, ``ffn`` the width a token goes through); an MoE layer also keeps its ``top_k`` gathered copies
+  of the token and its fp32 routing probabilities; with activation checkpointing only each layer's input
+  is kept, plus one layer recomputed;
 - logits: ``tokens x vocab`` in the compute dtype, fp32 for the loss, and its fp32 gradient.
 
-``trained_llama(name)`` is the llama the runtimes build for a preset: the preset's own config for the
-llamas; for the mixture-of-experts presets a dense llama with the preset's embedding, attention width and
-depth whose feed-forward is as wide as the experts active per token (same FLOPs per token; routing, MLA
-and attention sinks are not modelled, so its parameter count is the preset's *active* count).
+``trained_model(name)`` is the model the torch runtime builds for a preset: a ``LlamaConfig`` for the
+llamas, an ``MoeConfig`` for the mixture-of-experts presets (``ragged.models._moe``), each with the shapes
+``trained_shapes`` lists. ``trained_llama(name)`` is the dense stand-in the simulator and the JAX runtime
+still use for the MoE presets: the preset's embedding, attention and depth with a feed-forward as wide as
+what one token goes through (the same FLOPs per token; its parameter count is the *active* count).
 """
 
 from __future__ import annotations
@@ -32,41 +35,79 @@ from ragged._layout import TensorSpec
 from ragged._model_plan import plan_model
 from ragged._planner import plan
 from ragged._units import ModelShapes
+from ragged.models._moe import MOE_CONFIGS, MoeConfig, moe_shapes
 from ragged.models._presets import LLAMA_CONFIGS, LlamaConfig, llama_shapes
 from ragged.quant._tiles import tile_granularity
 
-_TRAINED: dict[str, tuple[LlamaConfig, str]] = {
+ModelConfig = LlamaConfig | MoeConfig
+
+_LLAMAS: dict[str, tuple[LlamaConfig, str]] = {
     **{name: (c, "the preset's llama") for name, c in LLAMA_CONFIGS.items()},
     "llama3.2-1b": (LlamaConfig(128256, 2048, 16, 32, 8, 64, 8192), "Llama 3.2 1B (untied head)"),
-    "mixtral-8x7b": (LlamaConfig(32000, 4096, 32, 32, 8, 128, 2 * 14336, rope_theta=1e6),
-                     "dense llama, FFN = 2 active experts x 14336 (router not modelled)"),
-    "gpt-oss-120b": (LlamaConfig(201088, 2880, 36, 64, 8, 64, 4 * 2880, rope_theta=150000.0),
-                     "dense llama, FFN = 4 active experts x 2880 (router, biases, sinks not modelled)"),
-    "deepseek-v3": (LlamaConfig(129280, 7168, 61, 128, 128, 128, 9 * 2048, rope_theta=10000.0),
-                    "dense llama, MHA instead of MLA, FFN = 8 routed + 1 shared expert x 2048"),
 }
+
+
+def _describe(c: MoeConfig) -> str:
+    shared = f" + a shared expert of {c.shared_expert_dim}" if c.shared_expert_dim else ""
+    dense = f", {c.n_dense_layers} dense layer(s) first" if c.n_dense_layers else ""
+    return (f"MoE: {c.n_experts} {c.experts} experts of {c.expert_dim}, top-{c.top_k} {c.scoring} "
+            f"routing{shared}{dense}; llama attention")
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adam8bit": 2.0 + 8 / 1024, "muon": 4.0}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def trained_model_names() -> tuple[str, ...]:
-    return tuple(_TRAINED)
+    return (*_LLAMAS, *MOE_CONFIGS)
+
+
+def _known(name: str) -> None:
+    if name not in _LLAMAS and name not in MOE_CONFIGS:
+        raise RaggedError(f"unknown model {name!r}; trainable models: {', '.join(trained_model_names())}")
+
+
+def trained_model(name: str) -> tuple[ModelConfig, str]:
+    """The model the torch runtime trains for preset ``name`` and one line saying what it is."""
+    _known(name)
+    if name in MOE_CONFIGS:
+        return MOE_CONFIGS[name], _describe(MOE_CONFIGS[name])
+    return _LLAMAS[name]
+
+
+def trained_shapes(name: str, c: ModelConfig) -> ModelShapes:
+    """The units of model ``c`` under the FQNs the runtimes' models use."""
+    return moe_shapes(name, c) if isinstance(c, MoeConfig) else llama_shapes(name, c)
 
 
 def trained_llama(name: str) -> tuple[LlamaConfig, str]:
-    """The llama trained for preset ``name`` and one line saying what it models."""
-    if name not in _TRAINED:
-        raise RaggedError(f"unknown model {name!r}; trainable models: {', '.join(_TRAINED)}")
-    return _TRAINED[name]
+    """A dense llama for preset ``name`` and one line saying what it models (for MoE presets, the stand-in
+    with the active feed-forward width that the simulator and the JAX runtime use)."""
+    _known(name)
+    if name in MOE_CONFIGS:
+        c = MOE_CONFIGS[name]
+        return c.llama(c.active_ffn_dim), (f"dense llama stand-in, FFN = {c.top_k} active experts x "
+                                           f"{c.expert_dim}" + (" + 1 shared" if c.shared_expert_dim else "")
+                                           + " (routing not modelled)")
+    return _LLAMAS[name]
 
 
-def flops_per_token(c: LlamaConfig, seq_len: int) -> float:
+def _ffn_dim(c: ModelConfig) -> int:
+    """The feed-forward width one token goes through (an MoE layer's active experts)."""
+    return c.active_ffn_dim if isinstance(c, MoeConfig) else c.ffn_dim
+
+
+def flops_per_token(c: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N + 12 n_layers n_heads head_dim seq_len`` (PaLM's convention).
 
-    ``N`` counts the matmul parameters (every weight but the embedding table, which is a lookup).
+    ``N`` counts the matmul parameters a token uses (every weight but the embedding table, which is a
+    lookup; of an MoE layer, the router and the active experts).
     """
-    n = llama_shapes("model", c).numel - c.vocab_size * c.dim
+    if isinstance(c, MoeConfig):
+        dense = llama_shapes("model", c.llama(c.dense_ffn_dim)).units[1].numel
+        moe = llama_shapes("model", c.llama(c.active_ffn_dim)).units[1].numel + c.n_experts * c.dim
+        n = c.n_dense_layers * dense + (c.n_layers - c.n_dense_layers) * moe + c.vocab_size * c.dim + c.dim
+    else:
+        n = llama_shapes("model", c).numel - c.vocab_size * c.dim
     return 6.0 * n + 12.0 * c.n_layers * c.n_heads * c.head_dim * seq_len
 
 
@@ -137,7 +178,7 @@ def _unit_sizes(shapes: ModelShapes, world: int, granularity: str) -> list[tuple
     return [planned[tuple(shape for _, shape in unit.tensors)] for unit in shapes.units]
 
 
-def memory_plan(model: str, c: LlamaConfig, gpus: int, *, replicas: int = 1, granularity: str = "rows:1",
+def memory_plan(model: str, c: ModelConfig, gpus: int, *, replicas: int = 1, granularity: str = "rows:1",
                 dtype: str = "bf16", optimizer: str = "adamw", batch_per_device: int = 1, seq_len: int = 2048,
                 activation_checkpointing: bool = False, shapes: ModelShapes | None = None) -> MemoryPlan:
     """Plan ``c`` (or ``shapes``) for ``gpus`` devices and estimate the bytes one device holds.
@@ -156,13 +197,15 @@ def memory_plan(model: str, c: LlamaConfig, gpus: int, *, replicas: int = 1, gra
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise RaggedError(f"memory_plan: optimizer {optimizer!r} is not one of "
                           f"{sorted(OPTIMIZER_STATE_BYTES)}")
-    shapes = shapes or llama_shapes(model, c)
+    shapes = shapes or trained_shapes(model, c)
     sizes = _unit_sizes(shapes, gpus // replicas, granularity)
     shard = sum(s for s, _ in sizes)
     biggest = max(total for _, total in sizes)
     cb = DTYPE_BYTES[dtype]
     tokens = batch_per_device * seq_len
-    per_layer = cb * (2 * c.dim + 6 * c.n_heads * c.head_dim + 4 * c.ffn_dim) + 2 * 4 * c.dim
+    per_layer = cb * (2 * c.dim + 6 * c.n_heads * c.head_dim + 4 * _ffn_dim(c)) + 2 * 4 * c.dim
+    if isinstance(c, MoeConfig):
+        per_layer += cb * c.top_k * c.dim + 4 * c.n_experts
     if activation_checkpointing:
         activations = tokens * (c.n_layers * c.dim * cb + per_layer)
     else:

@@ -1,7 +1,8 @@
 """``experiments.train`` on the torch stack, its memory plan and its data, on CPU.
 
-The distributed runs are checked against plain single-process training (an unsharded ``Llama``, the same
-init and batches, ``torch.optim.AdamW``), and a run killed after a checkpoint must resume bit for bit.
+The distributed runs are checked against plain single-process training (an unsharded ``Llama`` or
+``MoEDecoder``, the same init and batches, ``torch.optim.AdamW``), and a run killed after a checkpoint must
+resume bit for bit.
 """
 
 from __future__ import annotations
@@ -64,6 +65,42 @@ def test_torchrun_two_gloo_processes_match_plain_training_and_resume_bit_exactly
                                                                          "step_00000005"]
 
 
+def plain_moe_losses(name: str, steps: int, ranks: int) -> list[float]:
+    """The MoE reference: one process, no sharding; each step averages the loss of each rank's rows, computed
+    apart (the load-balancing loss is a product of per-batch means, so it is defined per rank's batch, as
+    data-parallel training defines it)."""
+    from torch_backend.models import MoEDecoder, moe_loss
+
+    c = ragged.models.MOE_CONFIGS[name]
+    model = MoEDecoder(c)
+    model.init_weights(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    data = TokenSource(c.vocab_size, 16, 4, seed=0)
+    out = []
+    for step in range(steps):
+        tokens = torch.from_numpy(data.rows(step, 0, 4)).long()
+        loss = sum(moe_loss(model(rows[:, :-1]), rows[:, 1:], c.aux_loss_coef)
+                   for rows in tokens.chunk(ranks)) / ranks
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "gpt-oss-tiny", "deepseek-v3-tiny"])
+def test_torchrun_trains_the_moe_presets_like_plain_training(tmp_path, name):
+    """The MoE presets train as MoE decoders (both expert storages, both routers) on 2 gloo processes."""
+    args = ["--model", name, "--dtype", "fp32", "--batch", "4", "--seq-len", "16", "--no-progress",
+            "--steps", "3",
+            "--lr", str(LR), "--weight-decay", str(WD), "--checkpoint-dir", str(tmp_path)]
+    result = torchrun(2, args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{name}: MoE: " in result.stderr
+    got = losses(tmp_path / "log.jsonl")
+    np.testing.assert_allclose([got[s] for s in range(3)], plain_moe_losses(name, 3, ranks=2), rtol=1e-5)
+
+
 def test_adam8bit_state_resumes_bit_exactly(tmp_path):
     """8-bit Adam's state (per-rank local tensors, a step count) is saved beside the DCP checkpoint.
 
@@ -99,6 +136,15 @@ def test_dry_run_prints_the_plan_of_the_core(capsys):
                               activation_checkpointing=True)
     assert plan.describe() in printed
     assert "64 devices = 1 replica(s) x 64 shards" in printed and "total per device" in printed
+
+
+def test_dry_run_of_an_moe_preset_counts_every_expert_tensor(capsys):
+    main(["--model", "deepseek-v3", "--gpus", "256", "--batch", "256", "--seq-len", "4096", "--dry-run"])
+    printed = capsys.readouterr().out
+    config, _ = ragged.models.trained_model("deepseek-v3")
+    plan = ragged.models.memory_plan("deepseek-v3", config, 256, seq_len=4096)
+    assert plan.describe() in printed and "256 modules experts of 2048, top-8 sigmoid" in printed
+    assert plan.numel == ragged.models.moe_shapes("deepseek-v3", config).numel > 600e9
 
 
 def test_memory_plan_closed_forms():

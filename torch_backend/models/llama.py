@@ -125,26 +125,31 @@ class Llama(nn.Module):
             h = layer(h)
         return self.output(self.norm(h))  # (B, T, vocab)
 
-    @torch.no_grad()
     def init_weights(self, seed: int = 0, only: Collection[str] | None = None) -> None:
-        """Give every parameter its initial value: a function of ``seed`` and its position only.
+        """Give every parameter its initial value (``init_parameters``)."""
+        init_parameters(self, seed, only)
 
-        Parameter ``i`` (in ``named_parameters()`` order) is drawn on CPU from its own generator seeded
-        with ``(seed, i)``: matrices ~ N(0, 0.02^2), the embedding ~ N(0, 1), norms = 1. Because no
-        value depends on the device or on other parameters, a model built on the meta device and
-        sharded first gets exactly the values of a model built in one process. ``only`` (FQNs) limits
-        it to some parameters with unchanged values, e.g. one unsharded FSDP unit at a time.
-        """
-        for i, (name, p) in enumerate(self.named_parameters()):
-            if only is not None and name not in only:
-                continue
-            g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-            if name.endswith("norm.weight"):
-                value = torch.ones(p.shape)
-            else:
-                std = 1.0 if name.startswith("tok_embeddings") else 0.02
-                value = torch.randn(p.shape, generator=g) * std
-            p.copy_(value)
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | None = None) -> None:
+    """Give every parameter its initial value: a function of ``seed`` and its position only.
+
+    Parameter ``i`` (in ``named_parameters()`` order) is drawn on CPU from its own generator seeded
+    with ``(seed, i)``: matrices and biases ~ N(0, 0.02^2), the embedding ~ N(0, 1), norms = 1. Because no
+    value depends on the device or on other parameters, a model built on the meta device and
+    sharded first gets exactly the values of a model built in one process. ``only`` (FQNs) limits
+    it to some parameters with unchanged values, e.g. one unsharded FSDP unit at a time.
+    """
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if only is not None and name not in only:
+            continue
+        g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        if name.endswith("norm.weight"):
+            value = torch.ones(p.shape)
+        else:
+            std = 1.0 if name.startswith("tok_embeddings") else 0.02
+            value = torch.randn(p.shape, generator=g) * std
+        p.copy_(value)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Apply ragged-fsdp to a finished ``Llama``: FSDP bottom-up, as torchtitan does with FSDP2."""
+"""Apply ragged-fsdp to a finished ``Llama`` or ``MoEDecoder``: FSDP bottom-up, as torchtitan does."""
 
 from __future__ import annotations
 
@@ -6,17 +6,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch_backend.fsdp import GranularityArg, MixedPrecisionPolicy, fully_shard
 from torch_backend.models.llama import Llama
+from torch_backend.models.moe import MoEDecoder
 
 
-def parallelize(model: Llama, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy | None = None, granularity: GranularityArg = None) -> Llama:
+def parallelize(model: Llama | MoEDecoder, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy | None = None, granularity: GranularityArg = None
+                ) -> Llama | MoEDecoder:
     """Shard ``model`` in place: ``tok_embeddings``, each layer, ``[norm, output]``, then the root.
 
-    The units match the core preset's (``ragged.models.model_shapes("llama-tiny")``): the same tensors in the
-    same order under the same FQNs, so the layouts equal the JAX backend's for the same granularity.
+    The units match the core's (``ragged.models.trained_shapes``): the same tensors in the same order under
+    the same FQNs, so the layouts equal the JAX backend's for the same granularity. An MoE layer's router and
+    experts are in the layer's unit: which experts run depends on each rank's tokens, and the runtime
+    keeps a unit's collectives independent of that (an expert sharded alone would not be; see
+    docs/fully_shard.md).
 
     Args:
-        model: a ``Llama`` (built anywhere, the meta device included).
+        model: a ``Llama`` or an ``MoEDecoder`` (built anywhere, the meta device included).
         mesh: a 1-D mesh, or a 2-D ``(replicate, shard)`` mesh for HSDP.
         reshard_after_forward, mp_policy, granularity: passed to every ``fully_shard`` call.
 

@@ -1,0 +1,113 @@
+"""The MoE decoders under ``parallelize`` train like single-process training, with experts forced empty.
+
+Per-expert modules (mixtral-tiny), fused experts with biases (gpt-oss-tiny) and the sigmoid router with a
+shared expert and a dense first layer (deepseek-v3-tiny), five AdamW steps at 2 and 4 gloo ranks; the
+ranks holding the repeated-token rows run only ``top_k`` experts per layer, the others run experts they
+do not (tests/torch_backend/_moe_workers.py). Expert parallelism (``expert_parallel``) on (ep, fsdp) =
+(2, 1), (2, 2) and (4, 1), fp32, the other parameters sharded over all ranks.
+
+Bounds. fp32: the suite's 1e-5 (tests/torch_backend/test_fsdp_data_dependent.py: only the order of fp32
+gradient sums differs). bf16 under the mixed-precision policy, against the FSDP-free reference that applies
+the same casts (a bf16 copy of the fp32 master per batch, bf16 gradients summed in fp32): again only fp32
+sum order differs, so the same 1e-5 (measured 1e-7). Against fp32 training the losses are within the
+suite's bf16 bound (2e-2, a few bf16 epsilons, as test_fsdp_parity.py); the parameters are not compared
+there: a token whose top-k gap is below bf16 rounding picks another expert, whose whole Adam step
+(lr 1e-2 on weights of scale 0.02) then differs, which no smooth bound covers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.torch_backend import _moe_workers as W
+from tests.torch_backend._dist import Launcher
+
+FP32_RTOL = 1e-5
+# Expert parallelism sums an expert's gradient in another order (one GEMM over the tokens of every EP rank,
+# then the fsdp mean) than single-process training (per rank's batch, then the mean): each element moves
+# by ~n u sum|terms| (n <= 64 tokens, u = 6e-8), i.e. 4e-6 of |g| times the cancellation ratio
+# sum|terms| / |sum terms|, and Adam's normalised step passes that on (lr 1e-2 on weights of scale 0.02:
+# half of it, relative). 1e-4 admits cancellation up to ~50x (measured: 1.6e-5 at most); a token sent to
+# the wrong expert, a missing 1/ep or a gradient lost on one rank is off by 1e-3 to 1e-1.
+EP_FP32_RTOL = 1e-4
+BF16_RTOL = 2e-2
+run = Launcher(str(Path(W.__file__)))
+
+
+def results(world: int, case: str) -> list[dict]:
+    errors = [f"rank {r}: {res.get(case, res.get('<worker>'))}" for r, res in enumerate(run(world))
+              if "<worker>" in res or "traceback" in res.get(case, {})]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [res[case] for res in run(world)]
+
+
+def assert_experts_went_empty_on_some_ranks(ranks: list[dict]) -> None:
+    """Every step and MoE layer the first rank ran only top_k experts and another rank ran one it did not;
+    at step 0 some expert ran on no rank (its ``.grad`` stays None)."""
+    top_k, n_experts = ranks[0]["top_k"], ranks[0]["n_experts"]
+    for step, layers in enumerate(ranks[0]["routes"]):
+        for layer, ran in enumerate(layers):
+            assert len(ran) == top_k < n_experts, (step, layer, ran)
+            elsewhere = set().union(*(r["routes"][step][layer] for r in ranks[1:]))
+            assert elsewhere - set(ran), (step, layer, ran, elsewhere)
+    idle = [n_experts - len(set().union(*(r["routes"][0][layer] for r in ranks)))
+            for layer in range(len(ranks[0]["routes"][0]))]
+    assert max(idle) > 0, idle
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", W.MODELS)
+def test_fp32_with_empty_experts_equals_single_process(world, name):
+    ranks = results(world, f"{name}/fp32")
+    assert_experts_went_empty_on_some_ranks(ranks)
+    r = ranks[0]["fp32"]
+    assert r["loss"] <= FP32_RTOL and r["params"] <= FP32_RTOL, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", W.MODELS)
+def test_bf16_policy_with_empty_experts_equals_the_fsdp_free_policy_reference(world, name):
+    ranks = results(world, f"{name}/bf16")
+    assert_experts_went_empty_on_some_ranks(ranks)
+    r = ranks[0]
+    assert r["policy"]["loss"] <= FP32_RTOL and r["policy"]["params"] <= FP32_RTOL, r["policy"]
+    assert 0 < r["fp32"]["loss"] <= BF16_RTOL, r["fp32"]  # computed in bf16, within bf16's bound
+
+
+@pytest.mark.parametrize(("world", "ep"), [(2, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("name", W.MODELS)
+def test_expert_parallel_with_fsdp_equals_single_process(world, ep, name):
+    """(ep, fsdp) = (2, 1), (2, 2), (4, 1): each EP rank holds E/ep experts, sharded over its fsdp ranks,
+    and tokens move by uneven all-to-all."""
+    ranks = results(world, f"{name}/ep{ep}")
+    assert_experts_went_empty_on_some_ranks(ranks)
+    for r in ranks:
+        assert r["expert_numel_held"] * ep == r["expert_numel_total"], r
+        assert r["fp32"]["loss"] <= FP32_RTOL and r["fp32"]["params"] <= EP_FP32_RTOL, r["fp32"]
+    for step in range(W.STEPS):  # uneven splits: the EP ranks' experts received different token counts
+        received = [r["received"][step] for r in ranks]
+        assert len({tuple(rows) for rows in received}) > 1, (step, received)
+
+
+def test_an_ep_rank_whose_experts_receive_no_token_still_trains_like_single_process():
+    """mixtral-tiny at (ep, fsdp) = (2, 2): at step 0 rank 0's experts receive no token in layer 0 while
+    rank 1, which holds the same experts (its fsdp peer), receives some: rank 0 still runs its experts
+    unit, on empty tensors, and takes part in every collective."""
+    ranks = results(4, "mixtral-tiny/ep2")
+    assert ranks[0]["received"][0][0] == 0 < ranks[1]["received"][0][0], [r["received"][0] for r in ranks]
+    assert all(r["fp32"]["params"] <= EP_FP32_RTOL for r in ranks)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_fused_experts_of_ep_ranks_that_receive_nothing_train_like_single_process(ep):
+    """gpt-oss-tiny with its router biased onto experts 0..top_k-1: the experts of ranks 2 and 3 receive no
+    token in any step, at (ep, fsdp) = (2, 2) (a whole fsdp group) and (4, 1). In one process the fused
+    tensors still get a gradient (zero on idle experts' slices, so weight decay moves them): so must
+    these ranks' slices, or their AdamW steps differ by ~5e-3."""
+    ranks = results(4, f"gpt-oss-tiny{W.SKEWED}/ep{ep}")
+    assert [max(r["received"][step]) for r in ranks for step in range(W.STEPS)][2 * W.STEPS:] == [0] * 10
+    assert all(r["fp32"]["loss"] <= FP32_RTOL and r["fp32"]["params"] <= EP_FP32_RTOL for r in ranks), \
+        [r["fp32"] for r in ranks]
