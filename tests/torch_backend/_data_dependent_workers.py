@@ -11,6 +11,7 @@ gradient missing on one rank changes its reduce-scatter's size).
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import traceback
 from collections.abc import Callable
@@ -20,10 +21,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.torch_backend._user_model_workers import rel_errors
+from tests.torch_backend._user_model_workers import adamw_steps, full_params, rel_errors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-B, D, SEED, LR, WEIGHT_DECAY = 12, 8, 0, 1e-2, 0.1  # 12 rows: an even split over 2, 3 and 4 ranks
+B, D, SEED = 12, 8, 0  # 12 rows: an even split over 2, 3 and 4 ranks
 
 # Each step's expert per row. With 2 ranks (rows 0-5 | 6-11): step 0 runs expert 0 on rank 0 only and
 # the bonus on rank 1 only; step 1 uses neither expert 2 nor the bonus anywhere (their .grad stays None,
@@ -108,26 +109,7 @@ def build(skip_aux: bool = False) -> Routed:
 
 def train(model: nn.Module, rows: slice = slice(None)) -> list[float]:
     """AdamW on ``rows`` of each batch; returns the mean loss over every rank."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                            weight_decay=WEIGHT_DECAY)
-    losses = []
-    for step in range(STEPS):
-        x, route = batch(step)
-        loss = model(x[rows], route[rows])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach()
-        if dist.is_initialized() and rows != slice(None):
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
-        losses.append(loss.item())
-    return losses
-
-
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return adamw_steps(model, lambda step: model(*(t[rows] for t in batch(step))), STEPS, rows != slice(None))
 
 
 def against(reference: tuple[list[float], dict], losses: list[float], params: dict) -> dict:
@@ -139,8 +121,6 @@ def against(reference: tuple[list[float], dict], losses: list[float], params: di
 def _routed(mesh, rank: int, world: int, reentrant: bool | None = None) -> dict:
     """Blocks, the aux head and the root as units; each rank trains on its rows. ``reentrant``: the
     blocks run under activation checkpointing (torch.utils.checkpoint, that mode; None: without)."""
-    import functools
-
     from torch.utils.checkpoint import checkpoint
 
     from torch_backend import fully_shard
@@ -213,28 +193,17 @@ def _switch_transformers(mesh, rank: int, world: int) -> dict:
     def tokens(step: int) -> torch.Tensor:
         return torch.randint(0, 64, (B, 8), generator=torch.Generator().manual_seed(200 + step))
 
-    def run(m: nn.Module, rows: slice, record: bool) -> list[float]:
-        opt = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        losses = []
-        for step in range(3):
-            if record:
-                hits.append(set())
-            t = tokens(step)[rows]
-            loss = m(input_ids=t, labels=t.flip(1)).loss  # same length rows: the mean over ranks is whole
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            loss = loss.detach()
-            if rows != slice(None):
-                dist.all_reduce(loss)
-                loss /= world
-            losses.append(loss.item())
-        return losses
+    def step_loss(m: nn.Module, rows: slice, step: int) -> torch.Tensor:
+        if m is model:
+            hits.append(set())
+        t = tokens(step)[rows]
+        return m(input_ids=t, labels=t.flip(1)).loss  # same length rows: the mean over ranks is whole
 
     rows = slice(rank * B // world, (rank + 1) * B // world)
-    losses = run(model, rows, record=True)
+    losses = adamw_steps(model, functools.partial(step_loss, model, rows), 3, sharded=True)
     params = full_params(model)
-    reference = (run(plain, slice(None), record=False), full_params(plain))
+    reference = (adamw_steps(plain, functools.partial(step_loss, plain, slice(None)), 3, sharded=False),
+                 full_params(plain))
     return against(reference, losses, params) | {"hits": [sorted(h) for h in hits]}
 
 

@@ -106,16 +106,23 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def train(model: nn.Module, rows: slice = slice(None)) -> list[float]:
     """Three AdamW steps on ``rows`` of each batch; returns the mean loss over every rank."""
+    return adamw_steps(model, lambda step: _loss(model, batch(step)[rows]), STEPS, rows != slice(None))
+
+
+def adamw_steps(model: nn.Module, step_loss: Callable[[int], torch.Tensor], steps: int,
+                sharded: bool) -> list[float]:
+    """``steps`` AdamW steps on ``step_loss(step)``; returns each step's loss, averaged over the ranks
+    when ``sharded`` (each rank's loss is the mean over its rows)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                             weight_decay=WEIGHT_DECAY)
     losses = []
-    for step in range(STEPS):
-        loss = _loss(model, batch(step)[rows])
+    for step in range(steps):
+        loss = step_loss(step)
         loss.backward()
         opt.step()
         opt.zero_grad()
         loss = loss.detach()
-        if dist.is_initialized() and rows != slice(None):
+        if sharded:
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         losses.append(loss.item())
