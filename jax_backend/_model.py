@@ -41,7 +41,8 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
 
         fsdp = shard_model(model, mesh, units="layers.*", remat=True)
         buffers = fsdp.init_params(lambda: MyModel(rngs=nnx.Rngs(0)))  # or fsdp.shard_params(model)
-        step = fsdp.train_step(optax.adamw(1e-3), loss_fn)
+        model_state = fsdp.init_model_state(lambda: MyModel(rngs=nnx.Rngs(0)))  # BatchNorm, Rngs, ...
+        step = fsdp.train_step(optax.adamw(1e-3), loss_fn)  # step(..., model_state) if it has any
 
     Pure function: ``shard_model(apply, mesh, params=params, units=["layers.0", "layers.1"])``.
 

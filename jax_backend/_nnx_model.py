@@ -1,11 +1,14 @@
 """A flax NNX module as ``FSDP``'s model (``ShardedModel``): its own ``__call__``, on gathered units.
 
-Inside the step's ``shard_map`` the root unit is gathered first and merged into a copy of the model
+Inside the step's ``shard_map`` the root unit is gathered first and merged, with this device's model state
+(every ``nnx.Variable`` but the Params: batch statistics, RNG streams, counters), into a copy of the model
 (``nnx.merge``); ``nnx.recursive_map`` then puts a ``_UnitCall`` in place of each unit submodule in that
 copy (never in the user's model), and the model runs as written. A unit's call gathers the unit, merges the
 gathered arrays into the submodule's graph and runs its ``__call__`` (with ``reshard_after_forward`` or
 ``remat`` as a custom VJP that re-gathers in the backward, so one unit is unsharded at a time). Parameters
-of other units are placeholders there that raise ``UnitError`` when read.
+of other units are placeholders there that raise ``UnitError`` when read. The model state the unit's
+submodule holds goes into its call and comes back as the call leaves it, written into the copy; the
+forward returns the copy's model state.
 
 Shared parameters follow torch's rule: an ``nnx.Variable`` reachable from several places belongs to the
 lowest unit containing every use (the root if a use lies outside the units); uses in two different units

@@ -1,6 +1,8 @@
 """The FSDP training step: the model's forward on gathered units, reduce-scatter, optax on local shards.
 
-One ``shard_map`` runs the step on every device's shards ``{unit: (S,)}``. A parameter's way through it
+One ``shard_map`` runs the step on every device's shards ``{unit: (S,)}`` and its copy of the model
+state (what the model keeps besides its Params: batch statistics, RNG streams, counters; one copy per
+data-parallel device, returned as the forward leaves it). A parameter's way through it
 reads one way: the model's forward (``ShardedModel.forward``) asks the step's ``Units`` for a unit where it
 uses it; ``Units`` gathers the unit's buffer and slices it (``_units``, ``_buffers``); the gather's VJP
 reduce-scatters the gradient back to the shard; the optax update then runs on the local shards with optax's

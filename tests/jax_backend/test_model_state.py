@@ -16,12 +16,11 @@ import pytest
 from flax import nnx
 
 from jax_backend import UnitError, make_mesh, shard_model
-from tests.jax_backend.jax_reference import assert_params_close, rel_err
+from tests.jax_backend.jax_reference import rel_err
 from tests.jax_backend.vision_models import (
     CNN,
     STEPS,
     ViT,
-    adamw,
     cross_entropy,
     image_batches,
     train_data_parallel,
@@ -31,9 +30,27 @@ MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 8: ((8,), ("fsdp",)),
           "2x4": ((2, 4), ("replica", "fsdp"))}
 MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
 DEVICES = {1: 1, 3: 3, 8: 8, "2x4": 8}
-# Float32 sums in another order (the reduce-scatter, per-device BatchNorm means) through three AdamW steps:
-# the MoE of test_shard_model.py agrees within 1e-5 after five; the same bound here.
+# Float32 sums in another order (the reduce-scatter, per-device BatchNorm means) through three steps: the
+# MoE of test_shard_model.py agrees within 1e-5 after five; the same bound here. SGD with momentum, not
+# AdamW: some gradients are zero in exact arithmetic (a bias before BatchNorm, attention's key bias) and
+# AdamW's division by sqrt(nu) turns their rounding noise into steps of +-lr in either run. Adam's and other
+# recipes' agreement with optax is test_optax.py's subject.
 RTOL = 1e-5
+
+
+def sgd() -> optax.GradientTransformation:
+    return optax.sgd(0.05, momentum=0.9)
+
+
+def assert_params_near(got: dict, want: dict, tol: float) -> None:
+    """Per tensor, ``||a - b||`` within ``tol`` of ``max(||b||, sqrt(numel))``: relative for tensors of RMS
+    one or more, absolute RMS below (those biases stay near their zero init; rounding noise is all they
+    hold, and relative to them it is of order one)."""
+    assert sorted(got) == sorted(want)
+    for k in want:
+        a, b = np.asarray(got[k], np.float64), np.asarray(want[k], np.float64)
+        scale = max(np.linalg.norm(b), np.sqrt(b.size))
+        assert np.linalg.norm(a - b) <= tol * scale, (k, np.linalg.norm(a - b) / scale)
 
 
 def shard(model, mesh_key, **kw):
@@ -43,7 +60,7 @@ def shard(model, mesh_key, **kw):
 
 
 def train(fsdp, model, images, labels, opt=None, buffers=None, model_state=None):
-    opt = adamw() if opt is None else opt
+    opt = sgd() if opt is None else opt
     buffers = fsdp.shard_params(model) if buffers is None else buffers
     model_state = fsdp.shard_model_state(model) if model_state is None else model_state
     state, step, losses = fsdp.init(opt, buffers), fsdp.train_step(opt, cross_entropy), []
@@ -89,12 +106,13 @@ def test_cnn_with_batchnorm_and_dropout_matches_data_parallel_nnx(mnist, mesh_ke
     model = CNN(nnx.Rngs(0), rate=0.2)
     fsdp = shard(model, mesh_key, units=["conv2", "batch_norm2", "linear1"], **MODES[mode])
     losses, params, model_state = train(fsdp, model, images, labels)
-    ref_losses, ref_params, ref_state = train_data_parallel(model, images, labels, DEVICES[mesh_key])
+    ref_losses, ref_params, ref_state = train_data_parallel(model, images, labels, DEVICES[mesh_key], sgd())
     assert rel_err(losses, ref_losses) <= RTOL, (losses, ref_losses)
-    assert_params_close(params, ref_params, RTOL)
+    assert_params_near(params, ref_params, RTOL)
     assert_state_close(model_state, ref_state, RTOL)
     counts = state_leaves(model_state)
-    assert all((counts[k] == STEPS).all() for k in counts if k.endswith("['count']"))  # a mask per step
+    counts = [v for k, v in counts.items() if "['count']" in k]
+    assert len(counts) == 2 and all((c == STEPS).all() for c in counts)  # both Dropouts: a mask per step
 
 
 # ViT units: the encoder blocks (attention dropout, MLP dropouts and a counter inside each); the patch
@@ -105,12 +123,12 @@ def test_vit_with_dropout_matches_data_parallel_nnx(cifar_like, mesh_key, mode):
     model = ViT(nnx.Rngs(0), rate=0.2)
     fsdp = shard(model, mesh_key, units="blocks.*", **MODES[mode])
     losses, params, model_state = train(fsdp, model, images, labels)
-    ref_losses, ref_params, ref_state = train_data_parallel(model, images, labels, DEVICES[mesh_key])
+    ref_losses, ref_params, ref_state = train_data_parallel(model, images, labels, DEVICES[mesh_key], sgd())
     assert rel_err(losses, ref_losses) <= RTOL, (losses, ref_losses)
-    assert_params_close(params, ref_params, RTOL)
+    assert_params_near(params, ref_params, RTOL)
     assert params["logit_scale"].shape == () and params["logit_scale"] != 1.0  # the 0-d Param trained
     assert_state_close(model_state, ref_state, RTOL)
-    calls = [v for k, v in state_leaves(model_state).items() if k.endswith("['calls']")]
+    calls = [v for k, v in state_leaves(model_state).items() if "['calls']" in k]
     assert len(calls) == 4 and all((c == STEPS).all() for c in calls)  # root and every block, per device
     assert int(model.calls[...]) == 0  # the user's model is never changed
 
@@ -122,14 +140,15 @@ def test_sync_batch_stats_equals_single_device_training_on_the_global_batch(mnis
     masks are equal in distribution only)."""
     images, labels = mnist
     model = CNN(nnx.Rngs(0), rate=0.0)
-    ref_losses, ref_params, ref_state = train_data_parallel(model, images, labels, 1)
+    ref_losses, ref_params, ref_state = train_data_parallel(model, images, labels, 1, sgd())
     for mesh_key in (8, "2x4"):
         fsdp = shard(model, mesh_key, units=["conv2", "batch_norm2", "linear1"], sync_batch_stats=True)
         losses, params, model_state = train(fsdp, model, images, labels)
         assert rel_err(losses, ref_losses) <= RTOL, (mesh_key, losses, ref_losses)
-        assert_params_close(params, ref_params, RTOL)
+        assert_params_near(params, ref_params, RTOL)
+        stats, ref_stats = model_state.filter(nnx.BatchStat), ref_state.filter(nnx.BatchStat)
         for d in range(8):
-            assert_state_close(fsdp.full_model_state(model_state, d), fsdp.full_model_state(ref_state, 0), RTOL)
+            assert_state_close(fsdp.full_model_state(stats, d), fsdp.full_model_state(ref_stats, 0), RTOL)
     fsdp = shard(model, 8, units=["conv2", "batch_norm2", "linear1"])  # per device by default: differs
     assert rel_err(train(fsdp, model, images, labels)[0], ref_losses) > 1e-3
 
@@ -181,7 +200,8 @@ def test_dropout_draws_a_new_mask_every_step_and_on_every_device():
 
 def test_abstract_model_with_batchnorm_and_dropout_initializes_all_its_state(mnist):
     """``nnx.eval_shape`` + ``init_params`` + ``init_model_state``, with remat: the same training as from
-    the built model (Params and model state from the same seed)."""
+    the built model (Params and model state from the same seed; the eager init and the jitted one may
+    differ in the last bit, hence RTOL)."""
     images, labels = mnist
     make = lambda: CNN(nnx.Rngs(0), rate=0.2)  # noqa: E731
     fsdp = shard(nnx.eval_shape(make), 3, units=["conv2", "batch_norm2", "linear1"], remat=True)
@@ -190,15 +210,15 @@ def test_abstract_model_with_batchnorm_and_dropout_initializes_all_its_state(mni
     model = make()
     want = train(shard(model, 3, units=["conv2", "batch_norm2", "linear1"], remat=True), model, images[:2],
                  labels[:2])
-    assert got[0] == want[0]
-    assert_params_close(got[1], want[1], 0.0)
-    assert_state_close(got[2], want[2], 0.0)
+    assert rel_err(got[0], want[0]) <= RTOL
+    assert_params_near(got[1], want[1], RTOL)
+    assert_state_close(got[2], want[2], RTOL)
 
 
 def test_model_with_state_needs_model_state_and_int_params_are_refused_by_name(mnist):
     model = CNN(nnx.Rngs(0))
     fsdp = shard(model, 1, units=["conv2"])
-    opt = adamw()
+    opt = sgd()
     buffers = fsdp.shard_params(model)
     with pytest.raises(TypeError, match=r"batch_norm1\.mean.*model_state=fsdp\.shard_model_state"):
         fsdp.train_step(opt, cross_entropy)(buffers, fsdp.init(opt, buffers), *[a[0] for a in mnist])
