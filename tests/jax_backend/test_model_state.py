@@ -226,4 +226,5 @@ def test_model_with_state_needs_model_state_and_int_params_are_refused_by_name(m
     with pytest.raises(UnitError, match=r"'linear2\.bias'.*int32.*nnx\.Variable"):
         shard(model, 1, units=["conv2"])
     with pytest.raises(UnitError, match=r"'b'.*int32.*inputs"):
-        shard(lambda p, x: x * p["w"], 1, params={"w": jnp.ones(3), "b": jnp.zeros(3, jnp.int32)}, units=["w"])
+        shard(lambda p, x: x * p["w"], 1, params={"w": jnp.ones(3), "b": jnp.zeros(3, jnp.int32)},
+              units=["w"])
