@@ -10,8 +10,9 @@ parameters, so 4x the bytes to gather and reduce) and a model that is not a llam
 of experts with 3-D expert weights, biases, LayerNorm, an output head tied to the embedding and a router
 loss returned as aux); a fourth, "convnet", keeps state besides its Params (BatchNorm statistics and
 Dropout streams: residual conv blocks with BatchNorm and Dropout, images and labels; ours with sync BN,
-which is what GSPMD's single-device semantics compute). A further run of llama-tiny keeps every 32-row block whole
-(the 8-bit Adam tiling), which per-parameter GSPMD sharding cannot express; the block counts show it.
+which is what GSPMD's single-device semantics compute). A further run of llama-tiny keeps every 32-row
+block whole (the 8-bit Adam tiling), which per-parameter GSPMD sharding cannot express; the block counts
+show it.
 
 Timing on 8 host devices sharing few cores is noisy, so the runs are interleaved round-robin: every round
 runs each program for a few steps (the order rotates from round to round), warm-up rounds are dropped,

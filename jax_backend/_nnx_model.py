@@ -139,14 +139,22 @@ class _UnitCall:
         return getattr(self._module, name)
 
 
+def _is_node(x: Any) -> bool:
+    return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
+
+
 def _call_unit(units: Units, unit: str, module: nnx.Module, args: tuple, kwargs: dict) -> Any:
     """Run ``module(*args, **kwargs)`` with unit ``unit`` gathered: the unit's params, the other values
-    the submodule holds (root-owned shared params, its model state) and the array arguments go in as
-    explicit inputs, so the call can be a custom VJP (re-gathering in the backward). The call returns the
-    submodule's model state as it leaves it (a BatchNorm's new statistics, a Dropout stream's count), which
-    is written back into the step's copy of the model: the root and later units see it, and the step
-    returns it."""
-    graphdef, params, state = nnx.split(module, nnx.Param, ...)
+    the submodule holds (root-owned shared params, its model state), the array arguments and the state of
+    graph-node arguments (an ``nnx.Rngs`` the root passes in) go in as explicit inputs, so the call can be
+    a custom VJP (re-gathering in the backward). The call returns the model state of the submodule and of
+    those arguments as it leaves it (a BatchNorm's new statistics, a Dropout stream's count), which is
+    written back into the step's copy of the model: the root and later units see it, and the step returns
+    it."""
+    arg_leaves, arg_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
+    node_at = [i for i, a in enumerate(arg_leaves) if _is_node(a)]
+    nodes = (module, [arg_leaves[i] for i in node_at])  # one graph: Variables shared with the args stay one
+    graphdef, params, state = nnx.split(nodes, nnx.Param, ...)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     own = {i: leaf.name for i, leaf in enumerate(leaves) if isinstance(leaf, _Sharded) and leaf.unit == unit}
     others = [leaf for i, leaf in enumerate(leaves) if i not in own]
@@ -154,24 +162,23 @@ def _call_unit(units: Units, unit: str, module: nnx.Module, args: tuple, kwargs:
     if foreign:
         raise UnitError(f"unit {unit!r} reads parameter {foreign[0].name!r} of unit {foreign[0].unit!r}")
     state_leaves, state_def = jax.tree_util.tree_flatten(state)
-    arg_leaves, arg_tree = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [i for i, a in enumerate(arg_leaves) if isinstance(a, (jax.Array, jnp.ndarray))]
 
     def apply(unit_params: Mapping[str, jax.Array], h: tuple) -> tuple[Any, list]:
         other_values, state_values, dynamic_args = h
         it = iter(other_values)
         param_leaves = [unit_params[own[i]] if i in own else next(it) for i in range(len(leaves))]
-        gathered = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, param_leaves),
-                             jax.tree_util.tree_unflatten(state_def, state_values))
+        gathered, arg_nodes = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, param_leaves),
+                                        jax.tree_util.tree_unflatten(state_def, state_values))
         a = list(arg_leaves)
-        for i, v in zip(dynamic, dynamic_args):
+        for i, v in [*zip(dynamic, dynamic_args), *zip(node_at, arg_nodes)]:
             a[i] = v
         call_args, call_kwargs = jax.tree_util.tree_unflatten(arg_tree, a)
         out = gathered(*call_args, **call_kwargs)
-        return out, jax.tree_util.tree_leaves(nnx.state(gathered, nnx.Not(nnx.Param)))
+        return out, jax.tree_util.tree_leaves(nnx.state((gathered, arg_nodes), nnx.Not(nnx.Param)))
 
     out, new_state = units.call(unit, apply, (others, state_leaves, [arg_leaves[i] for i in dynamic]))
-    nnx.update(module, jax.tree_util.tree_unflatten(state_def, new_state))
+    nnx.update(nodes, jax.tree_util.tree_unflatten(state_def, new_state))
     return out
 
 

@@ -146,7 +146,7 @@ def test_sync_batch_stats_equals_single_device_training_on_the_global_batch(mnis
         losses, params, model_state = train(fsdp, model, images, labels)
         assert rel_err(losses, ref_losses) <= RTOL, (mesh_key, losses, ref_losses)
         assert_params_near(params, ref_params, RTOL)
-        stats, ref_stats = model_state.filter(nnx.BatchStat), ref_state.filter(nnx.BatchStat)
+        stats, ref_stats = (nnx.filter_state(s, nnx.BatchStat) for s in (model_state, ref_state))
         for d in range(8):
             assert_state_close(fsdp.full_model_state(stats, d), fsdp.full_model_state(ref_stats, 0), RTOL)
     fsdp = shard(model, 8, units=["conv2", "batch_norm2", "linear1"])  # per device by default: differs
@@ -156,28 +156,33 @@ def test_sync_batch_stats_equals_single_device_training_on_the_global_batch(mnis
 class _DropBlock(nnx.Module):
     def __init__(self, rngs):
         self.linear = nnx.Linear(64, 64, rngs=rngs)
-        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)  # draws from the stream its caller passes
 
-    def __call__(self, x):
-        return self.dropout(self.linear(x))
+    def __call__(self, x, rngs):
+        return self.dropout(self.linear(x), rngs=rngs)
 
 
 class _DropNet(nnx.Module):
+    """A unit whose Dropout draws from the root's ``nnx.Rngs`` (passed to the unit's call, as flax's newer
+    tutorials pass ``rngs`` to ``__call__``), and a Dropout in the root with its own stream."""
+
     def __init__(self, rngs):
         self.block = _DropBlock(rngs)
         self.out = nnx.Linear(64, 64, rngs=rngs)
         self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.rngs = nnx.Rngs(dropout=1)
 
     def __call__(self, x):
-        return self.block(x), self.dropout(self.out(x))
+        return self.block(x, self.rngs), self.dropout(self.out(x))
 
 
-def test_dropout_draws_a_new_mask_every_step_and_on_every_device():
+@pytest.mark.parametrize("mode", ["keep", "remat"])
+def test_dropout_draws_a_new_mask_every_step_and_on_every_device(mode):
     """Two devices given equal rows, no learning: the masks (inside the unit and in the root) are returned
     as aux, averaged over the devices, so an element that is 0.5 was kept on one device only. Dropped
     fraction over both devices and steps: Binomial(2048, 0.5) per module, within 4 sigma of one half."""
     model = _DropNet(nnx.Rngs(0))
-    fsdp = shard_model(model, make_mesh((2,), ("fsdp",)), units="block")
+    fsdp = shard_model(model, make_mesh((2,), ("fsdp",)), units="block", **MODES[mode])
     opt = optax.sgd(0.0)
 
     def loss_fn(outputs, targets):
@@ -190,12 +195,12 @@ def test_dropout_draws_a_new_mask_every_step_and_on_every_device():
     for _ in range(2):
         buffers, state, _, aux, model_state = step(buffers, state, x, x, model_state)
         masks.append([np.asarray(a) for a in aux])
-    for unit, root in [(0, 1)]:
-        for m in (unit, root):
-            assert not np.array_equal(masks[0][m], masks[1][m])  # fresh every step
-            assert (masks[0][m] == 0.5).any() and (masks[1][m] == 0.5).any()  # different per device
-            dropped = (masks[0][m].mean() + masks[1][m].mean()) / 2
-            assert abs(dropped - 0.5) <= 4 * np.sqrt(0.25 / 2048), dropped
+    for m in (0, 1):  # the unit's, the root's
+        assert not np.array_equal(masks[0][m], masks[1][m])  # fresh every step
+        assert (masks[0][m] == 0.5).any() and (masks[1][m] == 0.5).any()  # different per device
+        dropped = (masks[0][m].mean() + masks[1][m].mean()) / 2
+        assert abs(dropped - 0.5) <= 4 * np.sqrt(0.25 / 2048), dropped
+    assert (np.asarray(model_state["rngs"]["dropout"]["count"][...]) == 2).all()
 
 
 def test_abstract_model_with_batchnorm_and_dropout_initializes_all_its_state(mnist):
@@ -215,13 +220,17 @@ def test_abstract_model_with_batchnorm_and_dropout_initializes_all_its_state(mni
     assert_state_close(got[2], want[2], RTOL)
 
 
-def test_model_with_state_needs_model_state_and_int_params_are_refused_by_name(mnist):
+def test_a_model_with_state_needs_its_model_state(mnist):
     model = CNN(nnx.Rngs(0))
     fsdp = shard(model, 1, units=["conv2"])
     opt = sgd()
     buffers = fsdp.shard_params(model)
     with pytest.raises(TypeError, match=r"batch_norm1\.mean.*model_state=fsdp\.shard_model_state"):
         fsdp.train_step(opt, cross_entropy)(buffers, fsdp.init(opt, buffers), *[a[0] for a in mnist])
+
+
+def test_int_params_are_refused_by_name():
+    model = CNN(nnx.Rngs(0))
     model.linear2.bias = nnx.Param(jnp.zeros((10,), jnp.int32))
     with pytest.raises(UnitError, match=r"'linear2\.bias'.*int32.*nnx\.Variable"):
         shard(model, 1, units=["conv2"])
