@@ -139,6 +139,13 @@ class _UnitCall:
         return getattr(self._module, name)
 
 
+def _at_paths_of(new: Any, like: Any) -> list:
+    """The leaves of state ``new`` at the leaf paths of ``like``, in ``like``'s order: Variables the forward
+    created (``sow``'s intermediates) are dropped, so the model state keeps the structure it came in."""
+    by_path = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(new)[0]}
+    return [by_path[jax.tree_util.keystr(p)] for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+
+
 def _is_node(x: Any) -> bool:
     return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
 
@@ -175,7 +182,7 @@ def _call_unit(units: Units, unit: str, module: nnx.Module, args: tuple, kwargs:
             a[i] = v
         call_args, call_kwargs = jax.tree_util.tree_unflatten(arg_tree, a)
         out = gathered(*call_args, **call_kwargs)
-        return out, jax.tree_util.tree_leaves(nnx.state((gathered, arg_nodes), nnx.Not(nnx.Param)))
+        return out, _at_paths_of(nnx.state((gathered, arg_nodes), nnx.Not(nnx.Param)), state)
 
     out, new_state = units.call(unit, apply, (others, state_leaves, [arg_leaves[i] for i in dynamic]))
     nnx.update(nodes, jax.tree_util.tree_unflatten(state_def, new_state))
@@ -253,4 +260,5 @@ class NnxModel:
         # recursive_map clones the modules but keeps their Variables: what the unit calls and the root write
         # lands in ``model``'s Variables.
         out = nnx.recursive_map(unit_call, model)(inputs)
-        return out, nnx.state(model, nnx.Not(nnx.Param))
+        new = _at_paths_of(nnx.state(model, nnx.Not(nnx.Param)), state)
+        return out, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), new)
