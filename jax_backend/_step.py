@@ -239,6 +239,19 @@ class FSDP:
                     f"{self.data_axes} = {[self.mesh.shape[a] for a in self.data_axes]})"
                 )
 
+    def check_model_state(self, model_state: Any) -> None:
+        """Raise ``LayoutMismatchError`` unless ``model_state`` is this model's with one copy per data
+        device (``shard_model_state`` of this FSDP: another mesh's has another count)."""
+        if jax.tree_util.tree_structure(model_state) != jax.tree_util.tree_structure(self.model.state):
+            raise LayoutMismatchError("model_state is not this model's (other variables): make it with "
+                                      "fsdp.shard_model_state(model) or fsdp.init_model_state(make)")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+            if not jnp.ndim(leaf) or leaf.shape[0] != self.data_size:
+                raise LayoutMismatchError(
+                    f"model_state leaf {fqn(path)} has shape {jnp.shape(leaf)}: dim 0 must be one copy per "
+                    f"data-parallel device, {self.data_size} here; make it with this FSDP's "
+                    "shard_model_state / init_model_state (or full_model_state, then shard_model_state)")
+
     def apply_optimizer(self, optimizer: optax.GradientTransformation, grads: dict, opt_state: Any,
                         local: dict) -> tuple[dict, Any]:
         """``optimizer`` (as ``shard_optimizer`` returns it) on the local shards ``{unit: (S,)}``.
@@ -268,6 +281,7 @@ class FSDP:
             LayoutMismatchError: optimizer state that is neither per-element nor scalar; a batch whose
                 dim 0 the data-parallel size does not divide (when the step is traced).
             TypeError: a model with state called without ``model_state``.
+            LayoutMismatchError: a ``model_state`` of another model or another data-parallel size.
         """
         n = self.data_size
         optimizer = self.shard_optimizer(optimizer)
@@ -301,6 +315,8 @@ class FSDP:
                     "pass model_state=fsdp.shard_model_state(model) (or fsdp.init_model_state(make)) as "
                     "the step's fifth argument; the step returns it updated, last")
             self.check_batch({"inputs": inputs, "targets": targets})
+            if model_state is not None:
+                self.check_model_state(model_state)
             new_buffers, new_opt, new_state, loss, aux = sharded(
                 buffers, opt_state, {} if model_state is None else model_state, inputs, targets)
             out = (new_buffers, new_opt, loss) + ((aux,) if aux is not None else ())

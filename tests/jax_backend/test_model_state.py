@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jax_backend import UnitError, make_mesh, shard_model
+from jax_backend import LayoutMismatchError, UnitError, make_mesh, shard_model
 from tests.jax_backend.jax_reference import rel_err
 from tests.jax_backend.vision_models import (
     CNN,
@@ -225,8 +225,15 @@ def test_a_model_with_state_needs_its_model_state(mnist):
     fsdp = shard(model, 1, units=["conv2"])
     opt = sgd()
     buffers = fsdp.shard_params(model)
+    step, x, y = fsdp.train_step(opt, cross_entropy), *[a[0] for a in mnist]
     with pytest.raises(TypeError, match=r"batch_norm1\.mean.*model_state=fsdp\.shard_model_state"):
-        fsdp.train_step(opt, cross_entropy)(buffers, fsdp.init(opt, buffers), *[a[0] for a in mnist])
+        step(buffers, fsdp.init(opt, buffers), x, y)
+    other = shard(model, 3, units=["conv2"]).shard_model_state(model)  # 3 copies, for 3 devices
+    with pytest.raises(LayoutMismatchError, match=r"batch_norm1\.mean has shape \(3, 8\).*1 here"):
+        step(buffers, fsdp.init(opt, buffers), x, y, other)
+    with pytest.raises(LayoutMismatchError, match="not this model's"):
+        step(buffers, fsdp.init(opt, buffers), x, y, shard(ViT(nnx.Rngs(0)), 1, units="blocks.*")
+             .shard_model_state(ViT(nnx.Rngs(0))))
 
 
 def test_int_params_are_refused_by_name():
