@@ -5,11 +5,14 @@ Same model, data, seed and optimizer (AdamW). GSPMD FSDP is the usual recipe: ``
 optimizer state sharded like the parameters, the batch split over the devices. Ours is the
 ``jax_backend`` FSDP through its one entry point, ``shard_model`` (the llama's ``parallelize`` is a thin use
 of it; one flat buffer per unit, the model's own forward in shard_map, per-unit all-gather and
-reduce-scatter), with and without remat. Three models: llama-tiny, a wider llama ("llama-small", 4x the
+reduce-scatter), with and without remat. Models: llama-tiny, a wider llama ("llama-small", 4x the
 parameters, so 4x the bytes to gather and reduce) and a model that is not a llama ("moe": an NNX mixture
 of experts with 3-D expert weights, biases, LayerNorm, an output head tied to the embedding and a router
-loss returned as aux). A further run of llama-tiny keeps every 32-row block whole
-(the 8-bit Adam tiling), which per-parameter GSPMD sharding cannot express; the block counts show it.
+loss returned as aux); a fourth, "convnet", keeps state besides its Params (BatchNorm statistics and
+Dropout streams: residual conv blocks with BatchNorm and Dropout, images and labels; ours with sync BN,
+which is what GSPMD's single-device semantics compute). A further run of llama-tiny keeps every 32-row
+block whole (the 8-bit Adam tiling), which per-parameter GSPMD sharding cannot express; the block counts
+show it.
 
 Timing on 8 host devices sharing few cores is noisy, so the runs are interleaved round-robin: every round
 runs each program for a few steps (the order rotates from round to round), warm-up rounds are dropped,
@@ -111,14 +114,23 @@ def prepare_ours(model, loss_fn, batches, opt, *, granularity="rows:1", **keep) 
     mesh = make_mesh((DEVICES,), ("fsdp",))
     if isinstance(model, Llama):
         fsdp = parallelize(model, mesh, granularity=granularity, **keep)
-    else:  # what a user writes for their own model
-        fsdp = shard_model(model, mesh, units="blocks.*", granularity=granularity, **keep)
+    else:  # what a user writes for their own model (sync BN: GSPMD's jit normalizes by the global batch)
+        fsdp = shard_model(model, mesh, units="blocks.*", granularity=granularity,
+                           sync_batch_stats=isinstance(model, ConvNet), **keep)
     buffers = fsdp.shard_params(model)
     state = fsdp.init(opt, buffers)
-    b = batches[0]
+    model_state = fsdp.shard_model_state(model)
+    stateful = bool(jax.tree.leaves(model_state))
+    carry = (buffers, state, model_state) if stateful else (buffers, state)
+    x, y = batches[0]
     t0 = time.perf_counter()
-    compiled = fsdp.train_step(opt, loss_fn).lower(buffers, state, b[:, :-1], b[:, 1:]).compile()
-    return {"compiled": compiled, "carry": (buffers, state), "compile_s": time.perf_counter() - t0,
+    compiled = fsdp.train_step(opt, loss_fn).lower(*carry[:2], x, y, *carry[2:]).compile()
+
+    def run(carry: tuple, x, y) -> tuple:
+        out = compiled(*carry[:2], x, y, *carry[2:])  # (buffers, state, loss[, aux][, model_state])
+        return (*out[:2], *out[-1:][:int(stateful)]), out[2]
+
+    return {"compiled": compiled, "run": run, "carry": carry, "compile_s": time.perf_counter() - t0,
             "padding": sum(lay.padding for lay in fsdp.layouts),
             "blocks_cut_32": blocks_cut_by_layouts(fsdp.layouts)}
 
@@ -128,32 +140,43 @@ def prepare_gspmd(model, loss_fn, units, batches, opt) -> dict:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     shardings = jax.tree.map(lambda x: NamedSharding(mesh, gspmd_spec(x.shape)), params)
     params = jax.device_put(params, shardings)
+    # The model state (batch statistics, RNG streams) is replicated; jit's semantics are one device's.
+    rest_shardings = jax.tree.map(lambda x: NamedSharding(mesh, P()), rest)
+    rest = jax.device_put(rest, rest_shardings)
     # Moments get their parameters' rule (same shapes); scalars (the step count) are replicated.
     state_shapes = jax.eval_shape(opt.init, params)
     state_shardings = jax.tree.map(lambda x: NamedSharding(mesh, gspmd_spec(x.shape)), state_shapes)
     state = jax.jit(opt.init, out_shardings=state_shardings)(params)
     data = NamedSharding(mesh, P("fsdp"))
 
-    def step(params, state, x, y):
+    def step(params, state, rest, x, y):
         def loss_of(p):
-            out = loss_fn(nnx.merge(graphdef, p, rest)(x), y)
-            return out if isinstance(out, tuple) else (out, None)
+            m = nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest))  # Variables of this trace
+            out = loss_fn(m(x), y)
+            loss, _ = out if isinstance(out, tuple) else (out, None)
+            return loss, nnx.state(m, nnx.Not(nnx.Param))
 
-        (loss, _), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
+        return optax.apply_updates(params, updates), state, rest, loss
 
-    jitted = jax.jit(step, in_shardings=(shardings, state_shardings, data, data),
-                     out_shardings=(shardings, state_shardings, NamedSharding(mesh, P())),
-                     donate_argnums=(0, 1))
-    b = batches[0]
+    jitted = jax.jit(step, in_shardings=(shardings, state_shardings, rest_shardings, data, data),
+                     out_shardings=(shardings, state_shardings, rest_shardings, NamedSharding(mesh, P())),
+                     donate_argnums=(0, 1, 2))
+    x, y = batches[0]
     t0 = time.perf_counter()
-    compiled = jitted.lower(params, state, b[:, :-1], b[:, 1:]).compile()
-    return {"compiled": compiled, "carry": (params, state), "compile_s": time.perf_counter() - t0,
-            "padding": 0, "blocks_cut_32": blocks_cut_by_gspmd(units)[0] if units else 0}
+    compiled = jitted.lower(params, state, rest, x, y).compile()
+
+    def run(carry: tuple, x, y) -> tuple:
+        *carry, loss = compiled(*carry, x, y)
+        return tuple(carry), loss
+
+    return {"compiled": compiled, "run": run, "carry": (params, state, rest),
+            "compile_s": time.perf_counter() - t0, "padding": 0,
+            "blocks_cut_32": blocks_cut_by_gspmd(units)[0] if units else 0}
 
 
-def train_round_robin(runs: dict[str, dict], batches: np.ndarray, rounds: int, warmup: int) -> None:
+def train_round_robin(runs: dict[str, dict], batches: list[tuple], rounds: int, warmup: int) -> None:
     """Every round runs each program on the next ``len(batches) // rounds`` batches, in an order that
     rotates each round, so that load changes and position effects hit all programs alike.
 
@@ -170,12 +193,11 @@ def train_round_robin(runs: dict[str, dict], batches: np.ndarray, rounds: int, w
         for name in names[k % len(names):] + names[:k % len(names)]:
             r, steps = runs[name], []
             c0 = time.process_time()
-            for b in chunk:
+            for x, y in chunk:
                 t0 = time.perf_counter()
-                *carry, loss = r["compiled"](*r["carry"], b[:, :-1], b[:, 1:])[:3]
+                r["carry"], loss = r["run"](r["carry"], x, y)
                 loss = float(loss)  # waits for the step
                 steps.append(time.perf_counter() - t0)
-                r["carry"] = tuple(carry)
                 r["losses"].append(loss)
             if k >= warmup:
                 r["step_s"] += steps
@@ -219,8 +241,8 @@ def summarize(model: str, name: str, r: dict, base: dict) -> dict:
 
 def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
     cols = list(rows[0])
-    models = "; ".join(f"{m}: {c}, batch {meta['batch'][m]} x seq {meta['seq']}"
-                       for m, c in meta["models"].items())
+    seq = {m: "" if m == "convnet" else f" x seq {meta['seq']}" for m in meta["models"]}
+    models = "; ".join(f"{m}: {c}, batch {meta['batch'][m]}{seq[m]}" for m, c in meta["models"].items())
     lines = [f"# ragged-fsdp JAX backend vs GSPMD FSDP ({meta['devices']} host CPU devices)", "",
              f"Models: {models}. AdamW. Per model, {meta['rounds']} rounds of {meta['steps_per_round']} "
              "steps per program, round-robin with a rotating order; the first "
@@ -295,12 +317,55 @@ def moe_loss(outputs: tuple, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     return cross_entropy(logits, targets) + 1e-3 * z, z
 
 
-def bench_model(name: str, model, loss_fn, vocab: int, batch: int, args, units, extra: bool
+class ConvBlock(nnx.Module):
+    """A residual conv block: 3x3 conv, BatchNorm, ReLU, Dropout."""
+
+    def __init__(self, channels: int, rate: float, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(channels, channels, kernel_size=(3, 3), rngs=rngs)
+        self.norm = nnx.BatchNorm(channels, rngs=rngs)
+        self.dropout = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.dropout(nnx.relu(self.norm(self.conv(x))))
+
+
+class ConvNet(nnx.Module):
+    """Images (B, 16, 16, 3) -> logits: a conv stem with BatchNorm, residual blocks with BatchNorm and
+    Dropout, global average pooling, Dropout and a linear head (the model with state besides its Params)."""
+
+    def __init__(self, channels: int = 64, blocks: int = 4, classes: int = 10, rate: float = 0.1, *,
+                 rngs: nnx.Rngs):
+        self.stem = nnx.Conv(3, channels, kernel_size=(3, 3), rngs=rngs)
+        self.stem_norm = nnx.BatchNorm(channels, rngs=rngs)
+        self.blocks = nnx.List([ConvBlock(channels, rate, rngs) for _ in range(blocks)])
+        self.dropout = nnx.Dropout(rate, rngs=rngs)
+        self.head = nnx.Linear(channels, classes, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nnx.relu(self.stem_norm(self.stem(x)))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.dropout(h.mean(axis=(1, 2))))
+
+
+def token_batches(steps: int, batch: int, seq: int, vocab: int) -> list[tuple]:
+    tokens = np.random.default_rng(0).integers(0, vocab, size=(steps, batch, seq + 1)).astype(np.int32)
+    return [(b[:, :-1], b[:, 1:]) for b in tokens]
+
+
+def image_batches(steps: int, batch: int, classes: int = 10) -> list[tuple]:
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(batch, 16, 16, 3)).astype(np.float32),
+             rng.integers(0, classes, size=(batch,)).astype(np.int32)) for _ in range(steps)]
+
+
+def image_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def bench_model(name: str, model, loss_fn, batches: list[tuple], args, units, extra: bool
                 ) -> tuple[list[dict], dict]:
     """All runs of one model, round-robin; returns its table rows and raw measurements."""
-    steps = args.rounds * args.steps_per_round
-    batches = np.random.default_rng(0).integers(0, vocab, size=(steps, batch, args.seq + 1))
-    batches = batches.astype(np.int32)
     opt = optax.adamw(1e-3, weight_decay=0.1)
     runs = {"gspmd": prepare_gspmd(model, loss_fn, units, batches, opt),
             "ours": prepare_ours(model, loss_fn, batches, opt),
@@ -309,7 +374,7 @@ def bench_model(name: str, model, loss_fn, vocab: int, batch: int, args, units, 
     if extra:
         runs["ours_rows32"] = prepare_ours(model, loss_fn, batches, opt, granularity=rows32)
     train_round_robin(runs, batches, args.rounds, args.warmup)
-    raw = {k: {f: v for f, v in r.items() if f not in ("compiled", "carry")} for k, r in runs.items()}
+    raw = {k: {f: v for f, v in r.items() if f not in ("compiled", "run", "carry")} for k, r in runs.items()}
     return [summarize(name, k, v, raw["gspmd"]) for k, v in raw.items()], raw
 
 
@@ -322,6 +387,8 @@ def statements_for(rows: list[dict], raw: dict, units) -> list[str]:
                for r in (o, rs, rm)}
     loss_gap = max(abs(a - b) / abs(b) for run in verdict
                    for a, b in zip(raw[run]["losses"], raw["gspmd"]["losses"]))
+    agree = ("losses agree" if m != "convnet" else "losses differ only by the Dropout masks (ours: each "
+             "device's own keys for its rows; GSPMD: one mask over the global batch)")
     out = [
         f"- **{m}, step time**: ours / GSPMD per round: median {o['ratio_median']:.3f} (IQR "
         f"{o['ratio_q1']:.3f} to {o['ratio_q3']:.3f}), ours faster in {100 * o['rounds_faster']:.0f}% of "
@@ -349,7 +416,7 @@ def statements_for(rows: list[dict], raw: dict, units) -> list[str]:
         f"({rm['ratio_median']:.3f}, {rm['temp_bytes']} B), GSPMD {g['temp_bytes']} B.",
         f"- {m}: compile ours {o['compile_s']:.2f} s vs GSPMD {g['compile_s']:.2f} s; compiled temp memory "
         f"ours {o['temp_bytes']} B, resharded after forward {rs['temp_bytes']} B, with remat "
-        f"{rm['temp_bytes']} B, GSPMD {g['temp_bytes']} B; losses agree (largest relative gap of the three "
+        f"{rm['temp_bytes']} B, GSPMD {g['temp_bytes']} B; {agree} (largest relative gap of the three "
         f"runs {loss_gap:.2e}).",
     ]
     if len(rows) > 4:
@@ -371,20 +438,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eigen-threads", action="store_true",
                    help="keep XLA:CPU's intra-op thread pool (read at import); writes jax_vs_gspmd_eigen.*")
     p.add_argument("--stem", help="results file name (default jax_vs_gspmd, or jax_vs_gspmd_eigen)")
-    p.add_argument("--models", default="llama-tiny,llama-small,moe", help="comma-separated, of the default")
+    p.add_argument("--models", default="llama-tiny,llama-small,moe,convnet",
+                   help="comma-separated, of the default")
     args = p.parse_args(argv)
     assert jax.device_count() >= DEVICES, f"needs {DEVICES} devices, found {jax.device_count()}"
     models = {"llama-tiny": (LLAMA_TINY, 32, True), "llama-small": (LLAMA_SMALL, 16, False),
-              "moe": ("MoE(vocab 512, dim 96, hidden 160, 4 experts, 4 blocks, tied head)", 16, False)}
+              "moe": ("MoE(vocab 512, dim 96, hidden 160, 4 experts, 4 blocks, tied head)", 16, False),
+              "convnet": ("ConvNet(16 x 16 x 3 images, 64 channels, 4 blocks with BatchNorm and Dropout 0.1, "
+                          "sync BN)", 32, False)}
     models = {m: models[m] for m in args.models.split(",")}
     rows, raw, statements = [], {}, []
+    steps = args.rounds * args.steps_per_round
     for name, (config, batch, extra) in models.items():
+        units = None
         if name == "moe":
-            model, loss_fn, vocab, units = MoE(rngs=nnx.Rngs(0)), moe_loss, 512, None
+            model, loss_fn = MoE(rngs=nnx.Rngs(0)), moe_loss
+            batches = token_batches(steps, batch, args.seq, 512)
+        elif name == "convnet":
+            model, loss_fn, batches = ConvNet(rngs=nnx.Rngs(0)), image_loss, image_batches(steps, batch)
         else:
             model, loss_fn = Llama(config, rngs=nnx.Rngs(0)), cross_entropy
-            vocab, units = config.vocab_size, llama_shapes(name, config).units
-        model_rows, raw[name] = bench_model(name, model, loss_fn, vocab, batch, args, units, extra)
+            batches = token_batches(steps, batch, args.seq, config.vocab_size)
+            units = llama_shapes(name, config).units
+        model_rows, raw[name] = bench_model(name, model, loss_fn, batches, args, units, extra)
         rows += model_rows
         statements += statements_for(model_rows, raw[name], units)
     out = Path(args.out)

@@ -129,6 +129,14 @@ def buffer_sharding(mesh: Mesh, axis: str) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axis))
 
 
+def _onto(x: Any, mesh: Mesh) -> Any:
+    """A ``jax.Array`` committed to other devices than ``mesh``'s (``full_params`` of another mesh) copied
+    onto the mesh, replicated: one jitted program cannot read arrays from two device sets."""
+    if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != set(mesh.devices.flat):
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    return x
+
+
 def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mesh,
                  axis: str) -> dict[str, jax.Array]:
     """Full parameters ``{fqn: array}`` -> ``{unit: buffer}``, each ``NamedSharding(mesh, P(axis))``.
@@ -139,6 +147,7 @@ def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mes
     """
     check_mesh(mesh, layouts, axis)
     check_params(params, layouts)
+    params = {k: _onto(v, mesh) for k, v in params.items()}
     sharding = buffer_sharding(mesh, axis)
     shardings = {lay.name: sharding for lay in layouts}
     dtypes = {lay.name: jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts}

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from jax_backend._names import flatten_params, fqn
-from jax_backend._units import UnitError, Units
+from jax_backend._units import UnitError, Units, refuse_non_float
 
 
 class _LazyMapping(Mapping):
@@ -62,7 +62,7 @@ class FunctionModel:
 
     Raises:
         UnitError: a prefix that matches no parameter, overlapping units, a unit inside a pytree node
-            other than a dict, list or tuple.
+            other than a dict, list or tuple, a parameter that is not floating point.
     """
 
     def __init__(self, apply: Callable, params: Any, units: str | Sequence[str], root: str):
@@ -71,6 +71,8 @@ class FunctionModel:
         self.fqns = [fqn(path) for path, _ in leaves]
         self.tree = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self.shapes = {n: (tuple(a.shape), a.dtype) for n, (_, a) in zip(self.fqns, leaves)}
+        refuse_non_float(self.shapes, "pass it with the inputs instead")
+        self.state: dict = {}  # a pure function keeps no state besides its params
         prefixes = [units] if isinstance(units, str) else list(units)
         self.units, self.owner = [], {n: root for n in self.fqns}
         for prefix in prefixes:
@@ -103,7 +105,10 @@ class FunctionModel:
     def flatten(self, params: Any) -> dict[str, jax.Array]:
         return flatten_params(params)
 
-    def forward(self, units: Units, inputs: Any) -> Any:
+    def split_state(self, params: Any) -> dict:
+        return {}
+
+    def forward(self, units: Units, state: dict, inputs: Any) -> tuple[Any, dict]:
         root = units.gather(self.root) if self.root in units.layouts else {}
         gathered: dict[str, Any] = {}
 
@@ -124,4 +129,4 @@ class FunctionModel:
                 return _LazySequence([(v, join(i)) for i, v in enumerate(node)], lambda kv: view(*kv))
             return values(node, prefix, root)
 
-        return self.apply(view(self.skeleton, ""), inputs)
+        return self.apply(view(self.skeleton, ""), inputs), state

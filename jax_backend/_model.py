@@ -33,14 +33,16 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
                 params: Any = None, axis: str = "fsdp", replica_axis: str | None = None,
                 granularity: GranularityRule | Granularity | int | str = "rows:1",
                 mp_policy: MixedPrecisionPolicy | None = None, remat: bool = False, root: str = "root",
-                layouts: Sequence[Layout] | None = None, reshard_after_forward: bool | None = None) -> FSDP:
+                layouts: Sequence[Layout] | None = None, reshard_after_forward: bool | None = None,
+                sync_batch_stats: bool = False) -> FSDP:
     """FSDP for your own model: plan its units and return the ``FSDP`` runtime that runs its forward.
 
     Example (NNX; the model may be abstract, from ``nnx.eval_shape``)::
 
         fsdp = shard_model(model, mesh, units="layers.*", remat=True)
         buffers = fsdp.init_params(lambda: MyModel(rngs=nnx.Rngs(0)))  # or fsdp.shard_params(model)
-        step = fsdp.train_step(optax.adamw(1e-3), loss_fn)
+        model_state = fsdp.init_model_state(lambda: MyModel(rngs=nnx.Rngs(0)))  # BatchNorm, Rngs, ...
+        step = fsdp.train_step(optax.adamw(1e-3), loss_fn)  # step(..., model_state) if it has any
 
     Pure function: ``shard_model(apply, mesh, params=params, units=["layers.0", "layers.1"])``.
 
@@ -63,14 +65,17 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
             ``None``: as ``remat``, which implies it (off by default, unlike torch: docs/glossary.md).
         layouts: pre-planned Layouts (e.g. a core preset's order); their units must own the same
             parameters, with the same shapes.
+        sync_batch_stats: NNX only: ``nnx.BatchNorm`` layers average their batch statistics over the
+            data-parallel axes (sync BN, equal to single-device training on the global batch); by
+            default each device normalizes by its own batch's (plain data parallelism).
 
     Raises:
         UnitError: no units, a unit path that matches nothing, nested units, a parameter shared by two
-            units.
+            units, a parameter that is not floating point.
         LayoutMismatchError: mesh axes that do not exist; ``layouts`` that do not match the units.
     """
     if isinstance(model, nnx.Module):
-        wrapped: NnxModel | FunctionModel = NnxModel(model, units, root)
+        wrapped: NnxModel | FunctionModel = NnxModel(model, units, root, sync_batch_stats)
     else:
         if params is None:
             raise UnitError("a pure-function model needs its params pytree: "
@@ -79,6 +84,9 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
             option = "remat" if remat else "reshard_after_forward"
             raise UnitError(f"{option}=True needs unit calls to re-gather in: use an NNX module (pure "
                             "functions gather each unit on first use and keep it for the backward)")
+        if sync_batch_stats:
+            raise UnitError("sync_batch_stats=True is for NNX modules' nnx.BatchNorm layers; a pure function "
+                            "keeps no batch statistics")
         if units is None or callable(units):
             raise UnitError("a pure-function model needs units=: pytree path prefixes such as 'layers.0'")
         wrapped = FunctionModel(model, params, units, root)

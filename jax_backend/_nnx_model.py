@@ -1,11 +1,14 @@
 """A flax NNX module as ``FSDP``'s model (``ShardedModel``): its own ``__call__``, on gathered units.
 
-Inside the step's ``shard_map`` the root unit is gathered first and merged into a copy of the model
+Inside the step's ``shard_map`` the root unit is gathered first and merged, with this device's model state
+(every ``nnx.Variable`` but the Params: batch statistics, RNG streams, counters), into a copy of the model
 (``nnx.merge``); ``nnx.recursive_map`` then puts a ``_UnitCall`` in place of each unit submodule in that
 copy (never in the user's model), and the model runs as written. A unit's call gathers the unit, merges the
 gathered arrays into the submodule's graph and runs its ``__call__`` (with ``reshard_after_forward`` or
 ``remat`` as a custom VJP that re-gathers in the backward, so one unit is unsharded at a time). Parameters
-of other units are placeholders there that raise ``UnitError`` when read.
+of other units are placeholders there that raise ``UnitError`` when read. The model state the unit's
+submodule holds goes into its call and comes back as the call leaves it, written into the copy; the
+forward returns the copy's model state.
 
 Shared parameters follow torch's rule: an ``nnx.Variable`` reachable from several places belongs to the
 lowest unit containing every use (the root if a use lies outside the units); uses in two different units
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_backend._names import flatten_params, fqn
-from jax_backend._units import UnitError, Units
+from jax_backend._units import UnitError, Units, refuse_non_float
 
 # Names the units: ``fnmatch`` patterns of submodule paths, or a predicate ``(path, module) -> bool``.
 UnitSelector = str | Sequence[str] | Callable[[str, nnx.Module], bool]
@@ -136,74 +139,126 @@ class _UnitCall:
         return getattr(self._module, name)
 
 
+def _at_paths_of(new: Any, like: Any) -> list:
+    """The leaves of state ``new`` at the leaf paths of ``like``, in ``like``'s order: Variables the forward
+    created (``sow``'s intermediates) are dropped, so the model state keeps the structure it came in."""
+    by_path = {jax.tree_util.keystr(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(new)[0]}
+    return [by_path[jax.tree_util.keystr(p)] for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
+
+
 def _call_unit(units: Units, unit: str, module: nnx.Module, args: tuple, kwargs: dict) -> Any:
     """Run ``module(*args, **kwargs)`` with unit ``unit`` gathered: the unit's params, the other values
-    the submodule holds (root-owned shared params, non-param state) and the array arguments go in as
-    explicit inputs, so the call can be a custom VJP (re-gathering in the backward)."""
-    graphdef, state = nnx.split(module)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
+    the submodule holds (root-owned shared params, its model state), the array arguments and the state of
+    graph-node arguments (an ``nnx.Rngs`` the root passes in) go in as explicit inputs, so the call can be
+    a custom VJP (re-gathering in the backward). The call returns the model state of the submodule and of
+    those arguments as it leaves it (a BatchNorm's new statistics, a Dropout stream's count), which is
+    written back into the step's copy of the model: the root and later units see it, and the step returns
+    it."""
+    arg_leaves, arg_tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
+    node_at = [i for i, a in enumerate(arg_leaves) if _is_node(a)]
+    nodes = (module, [arg_leaves[i] for i in node_at])  # one graph: Variables shared with the args stay one
+    graphdef, params, state = nnx.split(nodes, nnx.Param, ...)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
     own = {i: leaf.name for i, leaf in enumerate(leaves) if isinstance(leaf, _Sharded) and leaf.unit == unit}
     others = [leaf for i, leaf in enumerate(leaves) if i not in own]
     foreign = [leaf for leaf in others if isinstance(leaf, _Sharded)]
     if foreign:
         raise UnitError(f"unit {unit!r} reads parameter {foreign[0].name!r} of unit {foreign[0].unit!r}")
-    arg_leaves, arg_tree = jax.tree_util.tree_flatten((args, kwargs))
+    state_leaves, state_def = jax.tree_util.tree_flatten(state)
     dynamic = [i for i, a in enumerate(arg_leaves) if isinstance(a, (jax.Array, jnp.ndarray))]
 
-    def apply(params: Mapping[str, jax.Array], h: tuple) -> Any:
-        other_values, dynamic_args = h
+    def apply(unit_params: Mapping[str, jax.Array], h: tuple) -> tuple[Any, list]:
+        other_values, state_values, dynamic_args = h
         it = iter(other_values)
-        state_leaves = [params[own[i]] if i in own else next(it) for i in range(len(leaves))]
-        gathered = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, state_leaves))
+        param_leaves = [unit_params[own[i]] if i in own else next(it) for i in range(len(leaves))]
+        gathered, arg_nodes = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, param_leaves),
+                                        jax.tree_util.tree_unflatten(state_def, state_values))
         a = list(arg_leaves)
-        for i, v in zip(dynamic, dynamic_args):
+        for i, v in [*zip(dynamic, dynamic_args), *zip(node_at, arg_nodes)]:
             a[i] = v
         call_args, call_kwargs = jax.tree_util.tree_unflatten(arg_tree, a)
-        return gathered(*call_args, **call_kwargs)
+        out = gathered(*call_args, **call_kwargs)
+        return out, _at_paths_of(nnx.state((gathered, arg_nodes), nnx.Not(nnx.Param)), state)
 
-    return units.call(unit, apply, (others, [arg_leaves[i] for i in dynamic]))
+    out, new_state = units.call(unit, apply, (others, state_leaves, [arg_leaves[i] for i in dynamic]))
+    nnx.update(nodes, jax.tree_util.tree_unflatten(state_def, new_state))
+    return out
 
 
 class NnxModel:
     """An NNX module's forward on gathered units (a ``ShardedModel``).
 
+    Its ``nnx.Param``s are the units' buffers; every other ``nnx.Variable`` (``BatchStat``, the ``RngKey``
+    and ``RngCount`` of each ``nnx.Rngs`` stream, a user's own ``Variable`` subclass) is its *model state*:
+    an input of the forward, returned as the forward leaves it.
+
     Args:
         model: the module (concrete or abstract, from ``nnx.eval_shape``); only its structure is kept.
         units: which submodules are units (``UnitSelector``).
         root: the name of the unit of every parameter outside the units.
+        sync_batch_stats: ``nnx.BatchNorm`` layers without an ``axis_name`` average their batch
+            statistics over the data-parallel axes (sync BN); by default each device normalizes by its
+            own batch's, as plain data parallelism does.
 
     Raises:
         UnitError: a unit path that matches nothing, nested units, a parameter shared by two units, a
-            unit without parameters of its own.
+            unit without parameters of its own, a parameter that is not floating point.
     """
 
-    def __init__(self, model: nnx.Module, units: UnitSelector | None, root: str):
+    def __init__(self, model: nnx.Module, units: UnitSelector | None, root: str,
+                 sync_batch_stats: bool = False):
         uses, modules = _variable_uses(model)
         self.units = _select_units(modules, units)
-        self.root = root
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.root, self.sync_batch_stats = root, sync_batch_stats
+        self.graphdef, params, state = nnx.split(model, nnx.Param, ...)
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         self.fqns = [fqn(path) for path, _ in leaves]
         self.tree = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        self.state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
         self.treedef = jax.tree_util.tree_structure(params)
+        self.shapes = {n: (tuple(a.shape), a.dtype) for n, (_, a) in zip(self.fqns, leaves)}
+        refuse_non_float(self.shapes, "make it an nnx.Variable of another kind: the step carries those as "
+                                      "model state")
         var_at = {path: var_id for var_id, paths in uses.items() for path in paths}
         self.owner = {n: _owner(uses[var_at[n]], self.units, root, n) for n in self.fqns}
         for u in self.units:
             if u not in self.owner.values():
                 raise UnitError(f"unit {u!r} has no parameters of its own")
-        self.shapes = {n: (tuple(a.shape), a.dtype) for n, (_, a) in zip(self.fqns, leaves)}
 
     def flatten(self, model: Any) -> dict[str, jax.Array]:
         return flatten_params(nnx.state(model, nnx.Param) if isinstance(model, nnx.Module) else model)
 
-    def forward(self, units: Units, inputs: Any) -> Any:
+    def split_state(self, model: nnx.Module) -> nnx.State:
+        """The model state of ``model`` (every ``nnx.Variable`` but its ``nnx.Param``s)."""
+        state = nnx.state(model, nnx.Not(nnx.Param))
+        if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(self.state):
+            raise UnitError("the model's non-Param variables differ from those of the model given to "
+                            "shard_model (another architecture?)")
+        return state
+
+    def forward(self, units: Units, state: Any, inputs: Any) -> tuple[Any, nnx.State]:
         root = units.gather(self.root) if self.root in units.layouts else {}
         values = [root[n] if self.owner[n] == self.root else _Sharded(n, self.owner[n], *self.shapes[n])
                   for n in self.fqns]
-        model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self.treedef, values), self.rest)
+        # Fresh Variables of this trace (the state may hold Variables made by an outer one), so the forward
+        # may write them: flax refuses writes to a Variable from another trace level.
+        state = jax.tree.map(lambda a: a, state)
+        model = nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self.treedef, values), state)
+        if self.sync_batch_stats:
+            for _, node in nnx.iter_graph(model):
+                if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
+                    node.axis_name = units.data_axes
 
         def unit_call(path: tuple, node: Any) -> Any:
             unit = _dotted(path)
             return _UnitCall(units, unit, node) if unit in self.units else node
 
-        return nnx.recursive_map(unit_call, model)(inputs)
+        # recursive_map clones the modules but keeps their Variables: what the unit calls and the root write
+        # lands in ``model``'s Variables.
+        out = nnx.recursive_map(unit_call, model)(inputs)
+        new = _at_paths_of(nnx.state(model, nnx.Not(nnx.Param)), state)
+        return out, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), new)

@@ -350,12 +350,13 @@ def state_specs(state: Any, axis: str) -> Any:
 
 
 def _owner(path: Any, leaf: Any, leaves: list) -> int | None:
-    """The parameter a state leaf belongs to: the one whose path ends its path, with the same shape."""
-    if not getattr(leaf, "ndim", 0):
-        return None
+    """The parameter a state leaf belongs to: the one whose path ends its path, with the same shape.
+
+    By path, not by rank: a 0-d parameter's moments are 0-d like the step count, which is owned by no
+    parameter (its path, ``.count``, ends no parameter's)."""
     best = None
     for i, (p, x) in enumerate(leaves):
-        if len(p) <= len(path) and tuple(path[len(path) - len(p):]) == tuple(p) and x.shape == leaf.shape:
+        if 0 < len(p) <= len(path) and tuple(path[len(path) - len(p):]) == tuple(p) and x.shape == leaf.shape:
             if best is None or len(p) > len(leaves[best][0]):
                 best = i
     return best

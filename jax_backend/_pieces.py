@@ -170,8 +170,8 @@ class Evaluator:
             return x.value
         if isinstance(x, Fill):
             return jnp.broadcast_to(x.value, (w.size,))
-        if not jnp.ndim(x):
-            return x
+        if not jnp.ndim(x):  # broadcast: ``select_n`` takes no scalar case (a 0-d parameter's operands are)
+            return jnp.broadcast_to(x, (w.size,))
         if jnp.size(x) != w.numel:
             raise UnsupportedOptimizerError(
                 f"the optimizer meets parameter {self.names[i]} (numel {w.numel}) with a value of shape "

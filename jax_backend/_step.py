@@ -1,6 +1,8 @@
 """The FSDP training step: the model's forward on gathered units, reduce-scatter, optax on local shards.
 
-One ``shard_map`` runs the step on every device's shards ``{unit: (S,)}``. A parameter's way through it
+One ``shard_map`` runs the step on every device's shards ``{unit: (S,)}`` and its copy of the model
+state (what the model keeps besides its Params: batch statistics, RNG streams, counters; one copy per
+data-parallel device, returned as the forward leaves it). A parameter's way through it
 reads one way: the model's forward (``ShardedModel.forward``) asks the step's ``Units`` for a unit where it
 uses it; ``Units`` gathers the unit's buffer and slices it (``_units``, ``_buffers``); the gather's VJP
 reduce-scatters the gradient back to the shard; the optax update then runs on the local shards with optax's
@@ -18,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_backend._buffers import (
@@ -30,6 +32,7 @@ from jax_backend._buffers import (
     shard_params,
 )
 from jax_backend._compat import shard_map
+from jax_backend._names import fqn
 from jax_backend._optax import full_optimizer_state, shard_optimizer, state_specs
 from jax_backend._units import MixedPrecisionPolicy, Units
 from ragged import Layout
@@ -39,17 +42,25 @@ class ShardedModel(Protocol):
     """What ``FSDP`` needs of a model (``shard_model`` builds one for an NNX module or a pure function).
 
     ``tree``: the parameter pytree optax sees, with ``jax.ShapeDtypeStruct`` leaves whose FQNs are the
-    Layouts' tensor names. ``flatten(model)``: the model (or its params pytree) as ``{fqn: array}``.
-    ``forward(units, inputs)``: the model's output on ``inputs``, inside ``shard_map``, reading each
-    unit's parameters through ``units`` (``Units.gather`` / ``Units.call``).
+    Layouts' tensor names. ``state``: the model state (everything the model keeps but its parameters:
+    batch statistics, RNG streams, counters), abstract leaves; empty for a pure function.
+    ``flatten(model)``: the model (or its params pytree) as ``{fqn: array}``. ``split_state(model)``: its
+    model state, shaped like ``state``. ``forward(units, state, inputs)``: the model's output on
+    ``inputs`` and its state after the forward, inside ``shard_map``, reading each unit's parameters
+    through ``units`` (``Units.gather`` / ``Units.call``) and one device's model state.
     """
 
     @property
     def tree(self) -> Any: ...
 
+    @property
+    def state(self) -> Any: ...
+
     def flatten(self, model: Any) -> dict[str, jax.Array]: ...
 
-    def forward(self, units: Units, inputs: Any) -> Any: ...
+    def split_state(self, model: Any) -> Any: ...
+
+    def forward(self, units: Units, state: Any, inputs: Any) -> tuple[Any, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,41 @@ class FSDP:
 
         return jax.jit(init, out_shardings=buffer_sharding(self.mesh, self.axis))
 
+    # ----- model state: one copy per data-parallel device -------------------------------------------
+    def _per_device(self, state: Any) -> Any:
+        """``state`` stacked once per data-parallel device (dim 0, sharded over the data axes), each
+        typed PRNG key folded with the device's index when there are several: device ``d``'s Dropout
+        masks are then its own, as its batch rows are (one device keeps the model's own keys)."""
+        n = self.data_size
+
+        def stack(x: jax.Array) -> jax.Array:
+            if n > 1 and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                return jax.vmap(lambda d: jax.random.fold_in(x, d))(jnp.arange(n))
+            return jnp.broadcast_to(x, (n, *jnp.shape(x)))
+
+        return jax.tree.map(stack, state)
+
+    def _state_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(self.data_axes))
+
+    def shard_model_state(self, model: Any) -> Any:
+        """The step's model state from a built model: every ``nnx.Variable`` but its Params (batch
+        statistics, RNG streams, counters), one copy per data-parallel device on dim 0 (RNG keys folded
+        with the device's index at more than one device). Empty for a pure function."""
+        state = self.model.split_state(model)
+        return jax.jit(self._per_device, out_shardings=self._state_sharding())(state)
+
+    def init_model_state(self, make: Callable[[], Any]) -> Any:
+        """``shard_model_state(make())`` in one jitted program: XLA drops the parameters as dead code, so
+        an abstract model (``nnx.eval_shape``) with ``init_params`` creates all of the model's state."""
+        return jax.jit(lambda: self._per_device(self.model.split_state(make())),
+                       out_shardings=self._state_sharding())()
+
+    def full_model_state(self, model_state: Any, device: int = 0) -> Any:
+        """One data-parallel device's copy of the model state (device 0: the first replica's first shard,
+        as a DDP checkpoint saves rank 0's buffers), for ``nnx.update(model, ...)``."""
+        return jax.tree.map(lambda a: a[device], model_state)
+
     def init_params(self, make: Callable[[], Any]) -> dict[str, jax.Array]:
         """Sharded init: ``{unit: buffer}`` from ``make()`` without the model ever existing in full.
 
@@ -174,12 +220,13 @@ class FSDP:
         return {lay.name: self.unit_initializer(make, lay.name)() for lay in self.layouts}
 
     # ----- the step ----------------------------------------------------------------------------------
-    def forward(self, local: Mapping[str, jax.Array], inputs: Any) -> Any:
-        """Run the model on local shards (inside ``shard_map``), gathering each unit where it is used."""
+    def forward(self, local: Mapping[str, jax.Array], state: Any, inputs: Any) -> tuple[Any, Any]:
+        """Run the model on local shards and this device's model state (inside ``shard_map``), gathering
+        each unit where it is used; returns the output and the model state after the forward."""
         units = Units(local, self.layouts, axis=self.axis, replica_axis=self.replica_axis,
                       mp_policy=self.mp_policy, remat=self.remat,
                       reshard_after_forward=self.reshard_after_forward)
-        return self.model.forward(units, inputs)
+        return self.model.forward(units, state, inputs)
 
     def check_batch(self, batches: Any) -> None:
         """Raise ``LayoutMismatchError`` unless every batch leaf splits evenly over the data devices."""
@@ -191,6 +238,19 @@ class FSDP:
                     f"dim 0 must be divisible by the data-parallel size {self.data_size} (mesh axes "
                     f"{self.data_axes} = {[self.mesh.shape[a] for a in self.data_axes]})"
                 )
+
+    def check_model_state(self, model_state: Any) -> None:
+        """Raise ``LayoutMismatchError`` unless ``model_state`` is this model's with one copy per data
+        device (``shard_model_state`` of this FSDP: another mesh's has another count)."""
+        if jax.tree_util.tree_structure(model_state) != jax.tree_util.tree_structure(self.model.state):
+            raise LayoutMismatchError("model_state is not this model's (other variables): make it with "
+                                      "fsdp.shard_model_state(model) or fsdp.init_model_state(make)")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+            if not jnp.ndim(leaf) or leaf.shape[0] != self.data_size:
+                raise LayoutMismatchError(
+                    f"model_state leaf {fqn(path)} has shape {jnp.shape(leaf)}: dim 0 must be one copy per "
+                    f"data-parallel device, {self.data_size} here; make it with this FSDP's "
+                    "shard_model_state / init_model_state (or full_model_state, then shard_model_state)")
 
     def apply_optimizer(self, optimizer: optax.GradientTransformation, grads: dict, opt_state: Any,
                         local: dict) -> tuple[dict, Any]:
@@ -204,43 +264,65 @@ class FSDP:
 
     def train_step(self, optimizer: optax.GradientTransformation,
                    loss_fn: Callable[[Any, Any], Any]) -> Callable:
-        """A jitted ``step(buffers, opt_state, inputs, targets) -> (buffers, opt_state, loss[, aux])``.
+        """A jitted ``step(buffers, opt_state, inputs, targets[, model_state])
+        -> (buffers, opt_state, loss[, aux][, model_state])``.
 
         ``inputs`` and ``targets`` are global batches split on dim 0 over every device (replicas, then
         shards); ``loss_fn(outputs, targets)`` returns a per-device mean loss, or ``(loss, aux)``, and the
         step minimises its mean over devices (equal local batches make that the global mean); ``aux`` is
-        averaged over devices and returned as a fourth output. ``buffers`` and ``opt_state`` are donated.
+        averaged over devices and returned as a fourth output. A model with state besides its parameters
+        (batch statistics, ``nnx.Rngs`` streams, counters) needs ``model_state``
+        (``shard_model_state`` / ``init_model_state``): each device runs on its copy and the step returns
+        the copies as the forward left them, last. ``buffers``, ``opt_state`` and ``model_state`` are
+        donated.
 
         Raises:
             UnsupportedOptimizerError: an optimizer the shards cannot honor (``shard_optimizer``).
             LayoutMismatchError: optimizer state that is neither per-element nor scalar; a batch whose
                 dim 0 the data-parallel size does not divide (when the step is traced).
+            TypeError: a model with state called without ``model_state``.
+            LayoutMismatchError: a ``model_state`` of another model or another data-parallel size.
         """
         n = self.data_size
         optimizer = self.shard_optimizer(optimizer)
 
-        def local_step(local: dict, opt_state: Any, inputs: Any, targets: Any) -> tuple:
+        def local_step(local: dict, opt_state: Any, model_state: Any, inputs: Any, targets: Any) -> tuple:
+            mine = jax.tree.map(lambda a: a[0], model_state)  # this device's copy
+
             def local_loss(bufs: dict) -> tuple[jax.Array, Any]:
-                out = loss_fn(self.forward(bufs, inputs), targets)
+                outputs, new_state = self.forward(bufs, mine, inputs)
+                out = loss_fn(outputs, targets)
                 loss, aux = out if isinstance(out, tuple) else (out, None)
                 # Pre-divide so that the psum_scatter of the gradients is the mean over devices.
-                return loss / n, aux
+                return loss / n, (aux, new_state)
 
-            (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(local)
+            (loss, (aux, new_state)), grads = jax.value_and_grad(local_loss, has_aux=True)(local)
             local, opt_state = self.apply_optimizer(optimizer, grads, opt_state, local)
             aux = jax.tree.map(lambda a: lax.psum(a, self.data_axes) / n, aux)
-            return local, opt_state, lax.psum(loss, self.data_axes), aux
+            new_state = jax.tree.map(lambda a: a[None], new_state)
+            return local, opt_state, new_state, lax.psum(loss, self.data_axes), aux
 
         buffers, state, batch = self._buffer_specs(), self._state_specs(optimizer), P(self.data_axes)
-        sharded = shard_map(local_step, self.mesh, in_specs=(buffers, state, batch, batch),
-                            out_specs=(buffers, state, P(), P()))
+        sharded = shard_map(local_step, self.mesh, in_specs=(buffers, state, batch, batch, batch),
+                            out_specs=(buffers, state, batch, P(), P()))
+        has_state = bool(jax.tree.leaves(self.model.state))
 
-        def step(buffers: dict, opt_state: Any, inputs: Any, targets: Any) -> tuple:
+        def step(buffers: dict, opt_state: Any, inputs: Any, targets: Any, model_state: Any = None) -> tuple:
+            if model_state is None and has_state:
+                names = [fqn(p) for p, _ in jax.tree_util.tree_flatten_with_path(self.model.state)[0]]
+                raise TypeError(
+                    f"the model keeps state besides its parameters ({names[:4]}{' ...' * (len(names) > 4)}): "
+                    "pass model_state=fsdp.shard_model_state(model) (or fsdp.init_model_state(make)) as "
+                    "the step's fifth argument; the step returns it updated, last")
             self.check_batch({"inputs": inputs, "targets": targets})
-            *out, aux = sharded(buffers, opt_state, inputs, targets)
-            return (*out, aux) if aux is not None else tuple(out)
+            if model_state is not None:
+                self.check_model_state(model_state)
+            new_buffers, new_opt, new_state, loss, aux = sharded(
+                buffers, opt_state, {} if model_state is None else model_state, inputs, targets)
+            out = (new_buffers, new_opt, loss) + ((aux,) if aux is not None else ())
+            return out + ((new_state,) if model_state is not None else ())
 
-        return jax.jit(step, donate_argnums=(0, 1))
+        return jax.jit(step, donate_argnums=(0, 1, 4))
 
 
 def _is_fqn_dict(params: Any, layouts: tuple[Layout, ...]) -> bool:

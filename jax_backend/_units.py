@@ -34,6 +34,15 @@ class UnitError(LayoutMismatchError):
     """A unit that matches nothing, nests in another, or reads a parameter of another unit."""
 
 
+def refuse_non_float(shapes: Mapping[str, tuple[tuple[int, ...], Any]], how_to_fix: str) -> None:
+    """Raise ``UnitError`` naming the first parameter (``{fqn: (shape, dtype)}``) that is not floating
+    point: its gradient would be ``float0`` and no optimizer can step it."""
+    for name, (shape, dtype) in shapes.items():
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise UnitError(f"parameter {name!r} (shape {shape}) has dtype {jnp.dtype(dtype)}: only floating "
+                            f"point parameters can be trained; {how_to_fix}")
+
+
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Dtypes of the gathered parameters (compute) and of the gradient reduction; None keeps the master's.
@@ -85,7 +94,10 @@ def _depend_on(shard: jax.Array, grad: Any) -> jax.Array:
     then depends on the incoming gradient. Otherwise XLA sees the forward's identical all-gather and merges
     the two (XLA:CPU drops optimization barriers first), which would keep every unit unsharded from its
     forward to its backward."""
-    first = jax.tree.leaves(grad)[0].ravel()[0]
+    inexact = [g for g in jax.tree.leaves(grad) if jnp.issubdtype(g.dtype, jnp.inexact)]
+    if not inexact:  # nothing differentiable flows back (integer outputs): no gather to keep apart
+        return shard
+    first = inexact[0].ravel()[0]
     return shard + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(shard.dtype)
 
 
@@ -202,6 +214,11 @@ class Units:
         self.local, self.layouts = local, {lay.name: lay for lay in layouts}
         self.axis, self.replica_axis, self.mp_policy = axis, replica_axis, mp_policy
         self.remat, self.reshard_after_forward = remat, reshard_after_forward
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (replicas first): sync BN averages over them."""
+        return (self.axis,) if self.replica_axis is None else (self.replica_axis, self.axis)
 
     def _comm(self, unit: str) -> _Comm:
         master, mp = self.local[unit].dtype, self.mp_policy

@@ -1,0 +1,246 @@
+"""Everything a flax model keeps besides its Params, through ``shard_model``: BatchNorm statistics, the
+Dropout streams of ``nnx.Rngs``, user Variables, in the root and inside units (issue 22).
+
+The reference (``vision_models.train_data_parallel``) is flax and optax on one device running N-way data
+parallelism by its definition: each device's rows of the batch with its own copy of the model state (its
+RNG keys folded with its index when N > 1). At N = 1 it is plain single-device ``nnx`` training. Public
+API only."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jax_backend import LayoutMismatchError, UnitError, make_mesh, shard_model
+from tests.jax_backend.jax_reference import rel_err
+from tests.jax_backend.vision_models import (
+    CNN,
+    STEPS,
+    ViT,
+    cross_entropy,
+    image_batches,
+    train_data_parallel,
+)
+
+MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 8: ((8,), ("fsdp",)),
+          "2x4": ((2, 4), ("replica", "fsdp"))}
+MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
+DEVICES = {1: 1, 3: 3, 8: 8, "2x4": 8}
+# Float32 sums in another order (the reduce-scatter, per-device BatchNorm means) through three steps: the
+# MoE of test_shard_model.py agrees within 1e-5 after five; the same bound here. SGD with momentum, not
+# AdamW: some gradients are zero in exact arithmetic (a bias before BatchNorm, attention's key bias) and
+# AdamW's division by sqrt(nu) turns their rounding noise into steps of +-lr in either run. Adam's and other
+# recipes' agreement with optax is test_optax.py's subject.
+RTOL = 1e-5
+
+
+def sgd() -> optax.GradientTransformation:
+    return optax.sgd(0.05, momentum=0.9)
+
+
+def assert_params_near(got: dict, want: dict, tol: float) -> None:
+    """Per tensor, ``||a - b||`` within ``tol`` of ``max(||b||, sqrt(numel))``: relative for tensors of RMS
+    one or more, absolute RMS below (those biases stay near their zero init; rounding noise is all they
+    hold, and relative to them it is of order one)."""
+    assert sorted(got) == sorted(want)
+    for k in want:
+        a, b = np.asarray(got[k], np.float64), np.asarray(want[k], np.float64)
+        scale = max(np.linalg.norm(b), np.sqrt(b.size))
+        assert np.linalg.norm(a - b) <= tol * scale, (k, np.linalg.norm(a - b) / scale)
+
+
+def shard(model, mesh_key, **kw):
+    shape, names = MESHES[mesh_key]
+    return shard_model(model, make_mesh(shape, names), replica_axis="replica" if len(shape) == 2 else None,
+                       **kw)
+
+
+def train(fsdp, model, images, labels, opt=None, buffers=None, model_state=None):
+    opt = sgd() if opt is None else opt
+    buffers = fsdp.shard_params(model) if buffers is None else buffers
+    model_state = fsdp.shard_model_state(model) if model_state is None else model_state
+    state, step, losses = fsdp.init(opt, buffers), fsdp.train_step(opt, cross_entropy), []
+    for x, y in zip(images, labels):
+        buffers, state, loss, model_state = step(buffers, state, x, y, model_state)
+        losses.append(float(loss))
+    return losses, {k: np.asarray(v) for k, v in fsdp.full_params(buffers).items()}, model_state
+
+
+def state_leaves(state) -> dict:
+    """``{path: np.ndarray}`` of a model state, PRNG keys as their key data."""
+    def plain(x):
+        return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+    return {jax.tree_util.keystr(p): plain(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def assert_state_close(got, want, rtol):
+    got, want = state_leaves(got), state_leaves(want)
+    assert list(got) == list(want)
+    for k in want:
+        if np.issubdtype(want[k].dtype, np.floating):
+            assert rel_err(got[k], want[k]) <= rtol, (k, got[k], want[k])
+        else:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    return image_batches((28, 28, 1))
+
+
+@pytest.fixture(scope="module")
+def cifar_like():
+    return image_batches((16, 16, 3))
+
+
+# CNN units: conv2, batch_norm2 (its scale and bias, and its statistics updated inside the unit's call) and
+# linear1; conv1, batch_norm1, both Dropouts and linear2 are the root's (state in the root). The three ways
+# of keeping a unit for its backward alternate.
+@pytest.mark.parametrize("mesh_key, mode", [(1, "keep"), (3, "remat"), (8, "reshard"), ("2x4", "keep")])
+def test_cnn_with_batchnorm_and_dropout_matches_data_parallel_nnx(mnist, mesh_key, mode):
+    images, labels = mnist
+    model = CNN(nnx.Rngs(0), rate=0.2)
+    fsdp = shard(model, mesh_key, units=["conv2", "batch_norm2", "linear1"], **MODES[mode])
+    losses, params, model_state = train(fsdp, model, images, labels)
+    ref_losses, ref_params, ref_state = train_data_parallel(model, images, labels, DEVICES[mesh_key], sgd())
+    assert rel_err(losses, ref_losses) <= RTOL, (losses, ref_losses)
+    assert_params_near(params, ref_params, RTOL)
+    assert_state_close(model_state, ref_state, RTOL)
+    counts = state_leaves(model_state)
+    counts = [v for k, v in counts.items() if "['count']" in k]
+    assert len(counts) == 2 and all((c == STEPS).all() for c in counts)  # both Dropouts: a mask per step
+
+
+# ViT units: the encoder blocks (attention dropout, MLP dropouts and a counter inside each); the patch
+# embedding, class token, position embeddings, embedding Dropout, a 0-d logit scale and a counter in the root.
+@pytest.mark.parametrize("mesh_key, mode", [(1, "reshard"), (3, "keep"), (8, "remat"), ("2x4", "reshard")])
+def test_vit_with_dropout_matches_data_parallel_nnx(cifar_like, mesh_key, mode):
+    images, labels = cifar_like
+    model = ViT(nnx.Rngs(0), rate=0.2)
+    fsdp = shard(model, mesh_key, units="blocks.*", **MODES[mode])
+    losses, params, model_state = train(fsdp, model, images, labels)
+    ref_losses, ref_params, ref_state = train_data_parallel(model, images, labels, DEVICES[mesh_key], sgd())
+    assert rel_err(losses, ref_losses) <= RTOL, (losses, ref_losses)
+    assert_params_near(params, ref_params, RTOL)
+    assert params["logit_scale"].shape == () and params["logit_scale"] != 1.0  # the 0-d Param trained
+    assert_state_close(model_state, ref_state, RTOL)
+    calls = [v for k, v in state_leaves(model_state).items() if "['calls']" in k]
+    assert len(calls) == 4 and all((c == STEPS).all() for c in calls)  # root and every block, per device
+    assert int(model.calls[...]) == 0  # the user's model is never changed
+
+
+def test_sync_batch_stats_equals_single_device_training_on_the_global_batch(mnist):
+    """With ``sync_batch_stats=True`` BatchNorm normalizes by the global batch's statistics (the
+    data-parallel mean of the devices' means and of their squares' means), so 8 devices (and HSDP 2 x 4)
+    equal plain single-device training, running statistics included, on every device (Dropout off: its
+    masks are equal in distribution only)."""
+    images, labels = mnist
+    model = CNN(nnx.Rngs(0), rate=0.0)
+    ref_losses, ref_params, ref_state = train_data_parallel(model, images, labels, 1, sgd())
+    for mesh_key in (8, "2x4"):
+        fsdp = shard(model, mesh_key, units=["conv2", "batch_norm2", "linear1"], sync_batch_stats=True)
+        losses, params, model_state = train(fsdp, model, images, labels)
+        assert rel_err(losses, ref_losses) <= RTOL, (mesh_key, losses, ref_losses)
+        assert_params_near(params, ref_params, RTOL)
+        stats, ref_stats = (nnx.filter_state(s, nnx.BatchStat) for s in (model_state, ref_state))
+        for d in range(8):
+            assert_state_close(fsdp.full_model_state(stats, d), fsdp.full_model_state(ref_stats, 0), RTOL)
+    fsdp = shard(model, 8, units=["conv2", "batch_norm2", "linear1"])  # per device by default: differs
+    assert rel_err(train(fsdp, model, images, labels)[0], ref_losses) > 1e-3
+
+
+class _DropBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(64, 64, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)  # draws from the stream its caller passes
+
+    def __call__(self, x, rngs):
+        return self.dropout(self.linear(x), rngs=rngs)
+
+
+class _DropNet(nnx.Module):
+    """A unit whose Dropout draws from the root's ``nnx.Rngs`` (passed to the unit's call, as flax's newer
+    tutorials pass ``rngs`` to ``__call__``), and a Dropout in the root with its own stream."""
+
+    def __init__(self, rngs):
+        self.block = _DropBlock(rngs)
+        self.out = nnx.Linear(64, 64, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.rngs = nnx.Rngs(dropout=1)
+
+    def __call__(self, x):
+        return self.block(x, self.rngs), self.dropout(self.out(x))
+
+
+@pytest.mark.parametrize("mode", ["keep", "remat"])
+def test_dropout_draws_a_new_mask_every_step_and_on_every_device(mode):
+    """Two devices given equal rows, no learning: the masks (inside the unit and in the root) are returned
+    as aux, averaged over the devices, so an element that is 0.5 was kept on one device only. Dropped
+    fraction over both devices and steps: Binomial(2048, 0.5) per module, within 4 sigma of one half."""
+    model = _DropNet(nnx.Rngs(0))
+    fsdp = shard_model(model, make_mesh((2,), ("fsdp",)), units="block", **MODES[mode])
+    opt = optax.sgd(0.0)
+
+    def loss_fn(outputs, targets):
+        return jnp.mean(outputs[0]) * 0, tuple((o == 0).astype(jnp.float32) for o in outputs)
+
+    step, buffers = fsdp.train_step(opt, loss_fn), fsdp.shard_params(model)
+    state, model_state = fsdp.init(opt, buffers), fsdp.shard_model_state(model)
+    x = jnp.tile(jnp.ones((1, 64)) + jnp.arange(64.0) / 64, (8, 1))  # every row alike, no zero in linear(x)
+    masks = []
+    for _ in range(2):
+        buffers, state, _, aux, model_state = step(buffers, state, x, x, model_state)
+        masks.append([np.asarray(a) for a in aux])
+    for m in (0, 1):  # the unit's, the root's
+        assert not np.array_equal(masks[0][m], masks[1][m])  # fresh every step
+        assert (masks[0][m] == 0.5).any() and (masks[1][m] == 0.5).any()  # different per device
+        dropped = (masks[0][m].mean() + masks[1][m].mean()) / 2
+        assert abs(dropped - 0.5) <= 4 * np.sqrt(0.25 / 2048), dropped
+    assert (np.asarray(model_state["rngs"]["dropout"]["count"][...]) == 2).all()
+
+
+def test_abstract_model_with_batchnorm_and_dropout_initializes_all_its_state(mnist):
+    """``nnx.eval_shape`` + ``init_params`` + ``init_model_state``, with remat: the same training as from
+    the built model (Params and model state from the same seed; the eager init and the jitted one may
+    differ in the last bit, hence RTOL)."""
+    images, labels = mnist
+    make = lambda: CNN(nnx.Rngs(0), rate=0.2)  # noqa: E731
+    fsdp = shard(nnx.eval_shape(make), 3, units=["conv2", "batch_norm2", "linear1"], remat=True)
+    got = train(fsdp, None, images[:2], labels[:2], buffers=fsdp.init_params(make),
+                model_state=fsdp.init_model_state(make))
+    model = make()
+    want = train(shard(model, 3, units=["conv2", "batch_norm2", "linear1"], remat=True), model, images[:2],
+                 labels[:2])
+    assert rel_err(got[0], want[0]) <= RTOL
+    assert_params_near(got[1], want[1], RTOL)
+    assert_state_close(got[2], want[2], RTOL)
+
+
+def test_a_model_with_state_needs_its_model_state(mnist):
+    model = CNN(nnx.Rngs(0))
+    fsdp = shard(model, 1, units=["conv2"])
+    opt = sgd()
+    buffers = fsdp.shard_params(model)
+    step, x, y = fsdp.train_step(opt, cross_entropy), *[a[0] for a in mnist]
+    with pytest.raises(TypeError, match=r"batch_norm1\.mean.*model_state=fsdp\.shard_model_state"):
+        step(buffers, fsdp.init(opt, buffers), x, y)
+    other = shard(model, 3, units=["conv2"]).shard_model_state(model)  # 3 copies, for 3 devices
+    with pytest.raises(LayoutMismatchError, match=r"batch_norm1\.mean has shape \(3, 8\).*1 here"):
+        step(buffers, fsdp.init(opt, buffers), x, y, other)
+    with pytest.raises(LayoutMismatchError, match="not this model's"):
+        step(buffers, fsdp.init(opt, buffers), x, y, shard(ViT(nnx.Rngs(0)), 1, units="blocks.*")
+             .shard_model_state(ViT(nnx.Rngs(0))))
+
+
+def test_int_params_are_refused_by_name():
+    model = CNN(nnx.Rngs(0))
+    model.linear2.bias = nnx.Param(jnp.zeros((10,), jnp.int32))
+    with pytest.raises(UnitError, match=r"'linear2\.bias'.*int32.*nnx\.Variable"):
+        shard(model, 1, units=["conv2"])
+    with pytest.raises(UnitError, match=r"'b'.*int32.*inputs"):
+        shard(lambda p, x: x * p["w"], 1, params={"w": jnp.ones(3), "b": jnp.zeros(3, jnp.int32)},
+              units=["w"])
