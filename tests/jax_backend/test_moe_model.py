@@ -18,7 +18,8 @@ import torch
 from flax import nnx
 
 import torch_backend
-from jax_backend import fqn, load_neutral_params
+from jax_backend import load_neutral_params
+from jax_backend._names import fqn
 from jax_backend.models.moe import MoEDecoder, load_balancing_loss
 from ragged.models import MOE_CONFIGS, moe_shapes
 from tests.moe_references import load_balancing_loss as numpy_aux
