@@ -31,6 +31,7 @@ from torch import nn
 
 from torch_backend._collectives import all_reduce
 from torch_backend._torch_internals import pytree, queue_backward_callback
+from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._unit import Unit
 
 # The ranks agree on each unit event before it communicates: one 2-int all-reduce per unit and event (3
@@ -46,16 +47,20 @@ class FSDPState:
 
     modules: tuple[nn.Module, ...]
     unit: Unit | None
-    reshard_after_forward: bool
+    reshard_after_forward: bool | None  # None: FSDP2's default (every unit but the root)
+    unshard_in_backward: bool  # False: backward never gathers the unit (its weights are not read there)
+    mp_policy: MixedPrecisionPolicy  # casts of the forward's inputs and outputs
     forward_prefetch: list[FSDPState] | None  # explicit targets; None: the next unit of the last step
     backward_prefetch: list[FSDPState] | None  # explicit targets; None: the previous unit in forward order
     root: RootContext | None  # set at the first forward of the root
 
-    def __init__(self, modules: tuple[nn.Module, ...], unit: Unit | None,
-                 reshard_after_forward: bool) -> None:
+    def __init__(self, modules: tuple[nn.Module, ...], unit: Unit | None, reshard_after_forward: bool | None,
+                 mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules
         self.unit = unit
         self.reshard_after_forward = reshard_after_forward
+        self.unshard_in_backward = True
+        self.mp_policy = mp_policy
         self.forward_prefetch = None
         self.backward_prefetch = None
         self.root = None
@@ -80,6 +85,9 @@ class FSDPState:
             RootContext(self)
         if self.is_root and self._modules_left == 0:
             self.root.begin_forward()
+        policy = self.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         if torch.is_grad_enabled() and not self.root.in_backward:
             args, kwargs = self._watch_inputs(args, kwargs)
         if self._modules_left > 0:  # a later module of the same group: already unsharded
@@ -88,7 +96,7 @@ class FSDPState:
         if not self.root.in_backward:
             self.root.ran_forward(self, torch.is_grad_enabled())
         if self.unit is not None:
-            self.unit.unshard()
+            self.unit.unshard(after=self.root.take_post_optim_event())
         targets = self.forward_prefetch
         if targets is None:
             targets = self.root.next_in(self.root.last_forward_order, self, +1)
@@ -131,9 +139,13 @@ class FSDPState:
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         self._modules_left -= 1
-        if self._modules_left == 0 and self.unit is not None and self.reshard_after_forward \
-                and not self.is_root:  # the root's backward starts at once: keep it unsharded
+        reshard = self.reshard_after_forward
+        if reshard is None:
+            reshard = not self.is_root  # the root's backward starts at once: keep it unsharded
+        if self._modules_left == 0 and self.unit is not None and reshard:
             self.unit.reshard()
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
 
     # ----- backward --------------------------------------------------------------------------------
@@ -144,12 +156,13 @@ class FSDPState:
         self.root.begin_backward()
         if self.unit is not None:
             self.root.agree(BACKWARD, self)
-            self.unit.unshard()
+            if self.unshard_in_backward:
+                self.unit.unshard()
         targets = self.backward_prefetch
         if targets is None:
             targets = self.root.next_in(self.root.forward_order, self, -1)
         for t in targets:
-            if t.unit is not None and not t._backward_started:
+            if t.unit is not None and not t._backward_started and t.unshard_in_backward:
                 t.unit.unshard(async_op=True)
 
     def post_backward(self) -> None:
@@ -157,8 +170,14 @@ class FSDPState:
         if self.unit is None or self._backward_done:
             return
         self._backward_done = True
-        self.unit.reshard()
+        if self.unit.reshard_after_backward:
+            self.unit.reshard()
         self.root.reduce_ready()
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Every floating-point tensor in ``tree`` cast to ``dtype`` (FSDP2's input and output casts)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -224,11 +243,12 @@ class RootContext:
         self.forward_order: list[FSDPState] = []
         self.last_forward_order: list[FSDPState] = []
         self.in_backward = False
+        self.post_optim_event: torch.Event | None = None  # set_post_optim_event: the next gather waits on it
         self._trained: list[FSDPState] = []  # units that ran forward with grad enabled, first call first
         self._to_reduce: list[FSDPState] = []  # this backward's reduce order, not yet issued
         self._reducing: list[Unit] = []
         self._reduced: list[Unit] = []
-        device = next((s.unit.master.shard.device for s in self.states if s.unit is not None), None)
+        device = next((s.unit.device for s in self.states if s.unit is not None), None)
         cuda = device is not None and device.type == "cuda"
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
         for s in self.states:
@@ -243,6 +263,11 @@ class RootContext:
             return []
         i = order.index(state) + step
         return [order[i]] if 0 <= i < len(order) else []
+
+    def take_post_optim_event(self) -> torch.Event | None:
+        """The event ``set_post_optim_event`` gave, once (the step's first all-gather waits on it)."""
+        event, self.post_optim_event = self.post_optim_event, None
+        return event
 
     def begin_forward(self) -> None:
         if self.in_backward:  # a forward (e.g. recomputation) inside backward keeps the order
@@ -277,7 +302,7 @@ class RootContext:
             return
         unit = state.unit
         code = event * len(self.states) + self.states.index(state)
-        seen = torch.tensor([code, -code], dtype=torch.int64, device=unit.master.shard.device)
+        seen = torch.tensor([code, -code], dtype=torch.int64, device=unit.device)
         for group in (unit.shard_group, unit.replicate_group):
             if group is not None:
                 all_reduce(seen, group, unit=f"{_EVENTS[event]} of {unit.name} (check)",
@@ -364,8 +389,23 @@ class RootContext:
         self._reduced = []
 
     def end_step(self) -> None:
-        """Reshard every unit (after backward, or after a forward that had no backward)."""
+        """Reshard every unit (after backward, or after a forward that had no backward), except those
+        told to stay unsharded after backward (``set_reshard_after_backward(False)``)."""
         self.finish_reduces()
         for s in self.states:
-            if s.unit is not None:
+            if s.unit is not None and s.unit.reshard_after_backward:
                 s.unit.reshard()
+
+    def reset(self) -> None:
+        """``reset_iter_state``: after a forward or backward raised, forget the step and reshard.
+
+        Waits for issued collectives (their errors are dropped: the step is discarded anyway), drops
+        every gradient of the failed step, including unsynced accumulation and HSDP partial sums.
+        """
+        for s in self.states:
+            if s.unit is not None:
+                s.unit.discard_step()
+            s._modules_left = s._inputs_pending = 0
+            s._backward_started = s._backward_done = False
+        self._to_reduce, self._reducing, self._reduced, self._trained = [], [], [], []
+        self.in_backward = False
