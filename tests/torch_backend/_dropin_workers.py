@@ -426,6 +426,37 @@ def _torch_mp_policy(mesh, rank: int, world: int) -> dict:
     return out
 
 
+# ----- 4. CPU offload -----------------------------------------------------------------------------------
+def _cpu_offload(mesh, rank: int, world: int) -> dict:
+    """``CPUOffloadPolicy()``: training equals the reference, fp32 and under a bf16 policy (against FSDP2
+    offloaded the same way); the sharded parameters, their gradients and AdamW's state are host tensors,
+    and the all-gather runs from a separate (device) copy of the shard. FSDP2 pins unconditionally, which
+    a machine without an accelerator cannot: it runs with ``pin_memory=False``; ours pins only when the
+    mesh is an accelerator's (a CPU mesh has nothing to pin for)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    from torch_backend.fsdp import units
+
+    out = {}
+    for which in ("ours", "fsdp2"):
+        policy = CPUOffloadPolicy() if which == "ours" else CPUOffloadPolicy(pin_memory=False)
+        out[which] = both(mesh, rank, world, offload_policy=policy)[which]
+        out[f"{which}_bf16"] = both(mesh, rank, world, floats=True, offload_policy=policy,
+                                    mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))[which]
+    model = shard(build(), mesh, "ours", offload_policy=CPUOffloadPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = batch(0)
+    loss_of(model, x[rows_of(rank, world)], y[rows_of(rank, world)]).backward()
+    opt.step()
+    devices = {str(t.device) for p in model.parameters()
+               for t in (p.to_local(), p.grad.to_local(), *[v for v in opt.state[p].values() if v.dim()])}
+    out["where"] = {"devices": sorted(devices),
+                    "separate_compute_buffer": all(u.compute is not u.master for u in units(model)),
+                    "offload": all(u.offload for u in units(model))}
+    out["pin_memory_default"] = raised(lambda: shard(build(), mesh, "fsdp2", offload_policy=CPUOffloadPolicy()))
+    return out
+
+
 # ----- the checks of one launch -------------------------------------------------------------------------
 def checks(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
@@ -451,5 +482,6 @@ def checks(rank: int, world: int) -> dict:
     run("ignored_params", lambda: _ignored_params(mesh, rank, world))
     run("refused_keywords", lambda: _refused_keywords(mesh))
     run("torch_mp_policy", lambda: _torch_mp_policy(mesh, rank, world))
+    run("cpu_offload", lambda: _cpu_offload(mesh, rank, world))
     dist.barrier()
     return out

@@ -133,3 +133,13 @@ def test_torch_mixed_precision_policy_casts_inputs_and_outputs_like_fsdp2(world)
                                                            "output": "torch.float32"}
     for which in ("ours", "fsdp2"):  # cast_forward_inputs=False: fp32 inputs meet bf16 weights in both
         assert "must have the same dtype" in r[f"no_cast_{which}"], r
+
+
+# ----- CPU offload ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_cpu_offload_trains_like_fsdp2_with_host_parameters_gradients_and_optimizer_state(world):
+    r = result(world, "cpu_offload")
+    assert_trains({"ours": r["ours"], "fsdp2": r["fsdp2"]})
+    assert_trains({"ours": r["ours_bf16"], "fsdp2": r["fsdp2_bf16"]}, BF16_RTOL)
+    assert r["where"] == {"devices": ["cpu"], "offload": True, "separate_compute_buffer": True}, r
+    assert "accelerator" in r["pin_memory_default"]  # FSDP2 pins even without an accelerator; ours does not
