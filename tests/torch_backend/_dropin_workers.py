@@ -35,9 +35,9 @@ class Block(nn.Module):
 class Net(nn.Module):
     """Tokens (``floats=False``: an embedding) or float features (a projection), blocks, a head."""
 
-    def __init__(self, floats: bool = False) -> None:
+    def __init__(self, floats: bool = False, max_norm: float | None = None) -> None:
         super().__init__()
-        self.embed = nn.Linear(D, D) if floats else nn.Embedding(V, D)
+        self.embed = nn.Linear(D, D) if floats else nn.Embedding(V, D, max_norm=max_norm)
         self.blocks = nn.ModuleList(Block() for _ in range(2))
         self.head = nn.Linear(D, V)
 
@@ -48,9 +48,9 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def build(floats: bool = False) -> Net:
+def build(floats: bool = False, max_norm: float | None = None) -> Net:
     torch.manual_seed(SEED)
-    return Net(floats)
+    return Net(floats, max_norm)
 
 
 def batch(step: int, floats: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,7 +453,67 @@ def _cpu_offload(mesh, rank: int, world: int) -> dict:
     out["where"] = {"devices": sorted(devices),
                     "separate_compute_buffer": all(u.compute is not u.master for u in units(model)),
                     "offload": all(u.offload for u in units(model))}
-    out["pin_memory_default"] = raised(lambda: shard(build(), mesh, "fsdp2", offload_policy=CPUOffloadPolicy()))
+    out["pin_memory_default"] = raised(
+        lambda: shard(build(), mesh, "fsdp2", offload_policy=CPUOffloadPolicy()))
+    return out
+
+
+# ----- 5. beyond FSDP2 ---------------------------------------------------------------------------------
+PENALTY = 0.5
+
+
+def _train_gradient_penalty(model: nn.Module, rows: slice, world: int) -> list[float]:
+    """Loss plus ``PENALTY * ||d loss / d x||^2`` (an input-gradient penalty: double backward).
+
+    Rows are independent, so with each rank's loss a mean over its rows the penalty scaled by
+    ``1 / world`` makes the average over ranks the single-process objective (world = 1 there).
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, floats=True)
+        x = x[rows].requires_grad_()
+        loss = loss_of(model, x, y[rows])
+        (g,) = torch.autograd.grad(loss, x, create_graph=True)
+        total = loss + PENALTY / world * g.pow(2).sum()
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+        total = total.detach()
+        if rows != slice(None):
+            dist.all_reduce(total)
+            total /= world
+        losses.append(float(total))
+    return losses
+
+
+def _gradient_penalty(mesh, rank: int, world: int) -> dict:
+    model = build(True)
+    ref = {"losses": _train_gradient_penalty(model, slice(None), 1), "params": full_params(model)}
+    out = {}
+    for which in ("ours", "fsdp2"):
+        try:
+            model = shard(build(True), mesh, which)
+            losses = _train_gradient_penalty(model, rows_of(rank, world), world)
+            out[which] = errors(losses, full_params(model), ref)
+        except Exception as e:  # noqa: BLE001 - FSDP2 fails here
+            out[which] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    model = shard(build(True), mesh, "ours")
+    x, y = batch(0, floats=True)
+    out["create_graph_backward"] = raised(lambda: loss_of(model, x, y).backward(create_graph=True))
+    return out
+
+
+def _embedding_max_norm(mesh, rank: int, world: int) -> dict:
+    """``nn.Embedding(max_norm=1)`` (rows of norm about 2.8 at init: every used row is renormed in
+    forward); each rank's rows use different tokens."""
+    model = build(max_norm=1.0)
+    ref = {"losses": train(model), "params": full_params(model)}
+    out = {}
+    for which in ("ours", "fsdp2"):
+        model = shard(build(max_norm=1.0), mesh, which)
+        losses = train(model, rows_of(rank, world))
+        out[which] = errors(losses, full_params(model), ref)
     return out
 
 
@@ -483,5 +543,7 @@ def checks(rank: int, world: int) -> dict:
     run("refused_keywords", lambda: _refused_keywords(mesh))
     run("torch_mp_policy", lambda: _torch_mp_policy(mesh, rank, world))
     run("cpu_offload", lambda: _cpu_offload(mesh, rank, world))
+    run("gradient_penalty", lambda: _gradient_penalty(mesh, rank, world))
+    run("embedding_max_norm", lambda: _embedding_max_norm(mesh, rank, world))
     dist.barrier()
     return out

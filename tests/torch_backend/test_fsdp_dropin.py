@@ -143,3 +143,19 @@ def test_cpu_offload_trains_like_fsdp2_with_host_parameters_gradients_and_optimi
     assert_trains({"ours": r["ours_bf16"], "fsdp2": r["fsdp2_bf16"]}, BF16_RTOL)
     assert r["where"] == {"devices": ["cpu"], "offload": True, "separate_compute_buffer": True}, r
     assert "accelerator" in r["pin_memory_default"]  # FSDP2 pins even without an accelerator; ours does not
+
+
+# ----- beyond FSDP2 ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradient_penalty_double_backward_trains_like_single_process(world):
+    r = result(world, "gradient_penalty")
+    assert "error" in r["fsdp2"], r  # FSDP2 frees what the penalty's graph still views
+    assert r["ours"]["loss"] <= FP32_RTOL and r["ours"]["params"] <= FP32_RTOL, r
+    assert "backward(create_graph=True)" in r["create_graph_backward"], r  # refused, naming the fix
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_embedding_max_norm_renorms_rows_used_on_any_rank(world):
+    r = result(world, "embedding_max_norm")
+    assert r["fsdp2"]["params"] > 0.1, r  # FSDP2 loses the renormed rows at reshard
+    assert r["ours"]["loss"] <= FP32_RTOL and r["ours"]["params"] <= FP32_RTOL, r

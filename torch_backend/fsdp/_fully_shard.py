@@ -21,7 +21,7 @@ from ragged import Granularity, GranularityRule, Layout, TensorSpec
 from torch_backend._collectives import all_reduce
 from torch_backend._torch_internals import source_mesh
 from torch_backend.fsdp._api import as_mp_policy, offloads_to_cpu
-from torch_backend.fsdp._hooks import FSDPState, states_under
+from torch_backend.fsdp._hooks import EmbeddingRenorm, FSDPState, states_under
 from torch_backend.fsdp._module import FSDPModule
 from torch_backend.fsdp._unit import ParamRef, Unit
 
@@ -255,7 +255,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         refs = [ParamRef(n, owner, attr, tuple(shared.get(id(p), ()))) for n, owner, attr, p in params]
         unit = Unit(layout.name, layout, refs, [p for *_, p in params], mesh, mp_policy,
                     offload=offload, pin_memory=pin_memory)
-    FSDPState(tuple(modules), unit, reshard_after_forward, mp_policy)  # hooks the modules, attaches to them
+    state = FSDPState(tuple(modules), unit, reshard_after_forward, mp_policy)  # hooks and attaches to them
+    if unit is not None:
+        owners = {id(owner): owner for _, owner, _, _ in _uses(modules, ignored)}.values()
+        state.renorms = [EmbeddingRenorm(m, unit.device) for m in owners
+                         if isinstance(m, nn.Embedding) and m.max_norm is not None]
     for m in modules:
         cls = m.__class__
         m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})

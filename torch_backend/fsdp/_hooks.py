@@ -61,6 +61,7 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.unshard_in_backward = True
         self.mp_policy = mp_policy
+        self.renorms: list[EmbeddingRenorm] = []  # the unit's nn.Embedding(max_norm=...) modules
         self.forward_prefetch = None
         self.backward_prefetch = None
         self.root = None
@@ -142,6 +143,9 @@ class FSDPState:
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = not self.is_root  # the root's backward starts at once: keep it unsharded
+        if self._modules_left == 0:
+            for renorm in self.renorms:  # every rank: the unit's forward ran on every rank
+                renorm.sync(self.unit)
         if self._modules_left == 0 and self.unit is not None and reshard:
             self.unit.reshard()
         if self.mp_policy.output_dtype is not None:
@@ -153,7 +157,10 @@ class FSDPState:
         if self._backward_started:
             return
         self._backward_started = True
-        self.root.begin_backward()
+        if torch.is_grad_enabled():  # create_graph=True: a gradient penalty's inner autograd.grad
+            self.root.begin_graph_backward()
+        else:
+            self.root.begin_backward()
         if self.unit is not None:
             self.root.agree(BACKWARD, self)
             if self.unshard_in_backward:
@@ -167,8 +174,8 @@ class FSDPState:
 
     def post_backward(self) -> None:
         """This unit's backward is over on this rank: reshard, and reduce when its turn comes."""
-        if self.unit is None or self._backward_done:
-            return
+        if self.unit is None or self._backward_done or self.root.defer_reduces:
+            return  # deferred: the end of backward reduces every unit (gradients come from two graphs)
         self._backward_done = True
         if self.unit.reshard_after_backward:
             self.unit.reshard()
@@ -194,6 +201,38 @@ def states_under(modules: Sequence[nn.Module], recurse: bool = True) -> list[FSD
             if s is not None:
                 seen.setdefault(id(s), s)
     return list(seen.values())
+
+
+class EmbeddingRenorm:
+    """``nn.Embedding(max_norm=...)`` in a unit renorms, in place, the rows used in any rank's forward.
+
+    The module renorms the rows its own rows of the batch use, in the unsharded weight; single-process
+    training renorms every row the whole batch uses. A pre-hook records the rows used here; once the
+    unit's forward is done, one MAX all-reduce of the used-row mask (num_embeddings ints) tells every
+    rank which rows some rank used, and each renorms the ones it did not use itself, so every rank holds
+    the single-process weight and keeps its slice of it when resharding (a write the version counter
+    shows). Rows renormed here are not renormed twice (a second renorm would round differently).
+    """
+
+    def __init__(self, module: nn.Embedding, device: torch.device) -> None:
+        self.module = module
+        self.used = torch.zeros(module.num_embeddings, dtype=torch.int32, device=device)
+        module.register_forward_pre_hook(self._record)
+
+    def _record(self, module: nn.Embedding, args: tuple) -> None:
+        self.used[args[0].reshape(-1).to(self.used.device)] = 1
+
+    @torch.no_grad()
+    def sync(self, unit: Unit) -> None:
+        union = self.used.clone()
+        for group in (unit.shard_group, unit.replicate_group):
+            if group is not None:
+                all_reduce(union, group, unit=f"max_norm rows of {unit.name}", op=dist.ReduceOp.MAX).wait()
+        rows = ((union > 0) & (self.used == 0)).nonzero().squeeze(1)
+        m = self.module
+        if rows.numel():
+            torch.embedding_renorm_(m.weight, rows.to(m.weight.device), m.max_norm, m.norm_type)
+        self.used.zero_()
 
 
 class _InputsDone(torch.autograd.Function):
@@ -243,6 +282,10 @@ class RootContext:
         self.forward_order: list[FSDPState] = []
         self.last_forward_order: list[FSDPState] = []
         self.in_backward = False
+        # A backward with create_graph=True ran this step (double backward): the step's backward then also
+        # runs the graph it built, whose gradients may land after a unit's inputs are done, so every unit
+        # stays unsharded and is reduced at the end of that backward, in the usual order.
+        self.defer_reduces = False
         self.post_optim_event: torch.Event | None = None  # set_post_optim_event: the next gather waits on it
         self._trained: list[FSDPState] = []  # units that ran forward with grad enabled, first call first
         self._to_reduce: list[FSDPState] = []  # this backward's reduce order, not yet issued
@@ -280,6 +323,7 @@ class RootContext:
             self.last_forward_order = self.forward_order
         self.forward_order = []
         self._trained = []
+        self.defer_reduces = False
         for s in self.states:
             s._inputs_pending = 0  # a forward whose backward never ran (e.g. evaluation with grads on)
 
@@ -323,6 +367,22 @@ class RootContext:
         event, index = divmod(code, len(self.states))
         return f"the {_EVENTS[event]} of unit {self.states[index].unit.name!r}"
 
+    def begin_graph_backward(self) -> None:
+        """A backward that builds a graph (``autograd.grad(..., create_graph=True)``) starts.
+
+        It only unshards (its graph keeps the unsharded parameters): no reduce, no reshard, no gradient
+        given out; the units stay unsharded until the end of the step's backward.
+        """
+        if not self.in_backward:
+            self.in_backward = True
+            self.defer_reduces = True
+            queue_backward_callback(self._end_graph_backward)
+
+    def _end_graph_backward(self) -> None:
+        self.in_backward = False
+        for s in self.states:  # the step's backward runs every unit's pre-backward again
+            s._backward_started = False
+
     def begin_backward(self) -> None:
         if not self.in_backward:
             self.in_backward = True
@@ -364,7 +424,7 @@ class RootContext:
         self.finish_reduces()
         self._give_gradients()
         self.end_step()
-        self.in_backward = False
+        self.in_backward = self.defer_reduces = False
         for s in self.states:
             s._backward_started = False
             s._backward_done = False
@@ -408,4 +468,4 @@ class RootContext:
             s._modules_left = s._inputs_pending = 0
             s._backward_started = s._backward_done = False
         self._to_reduce, self._reducing, self._reduced, self._trained = [], [], [], []
-        self.in_backward = False
+        self.in_backward = self.defer_reduces = False

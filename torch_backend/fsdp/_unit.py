@@ -327,6 +327,12 @@ class Unit:
         return any(p.requires_grad for p in self.sharded)
 
     def _on_grad_accumulated(self, index: int) -> None:
+        if torch.is_grad_enabled():  # accumulated with create_graph: .grad was replaced, not added into
+            raise RuntimeError(
+                f"fully_shard: backward(create_graph=True) accumulated a gradient into parameter "
+                f"{self.refs[index].name!r} of unit {self.name!r} with a graph; its .grad then stops being a "
+                "view into the unit's gradient buffer. Take the inner gradient with torch.autograd.grad(..., "
+                "create_graph=True) and call .backward() (without create_graph) on the final loss")
         self._landed.add(index)
         if index in self._waiting:  # once per parameter and backward (a retained graph may run twice)
             self._waiting.remove(index)
