@@ -517,8 +517,52 @@ def _embedding_max_norm(mesh, rank: int, world: int) -> dict:
     return out
 
 
+# ----- 6. async DCP -----------------------------------------------------------------------------------
+def _async_dcp(mesh, rank: int, world: int, path: str) -> dict:
+    """``dcp.async_save`` of the model and AdamW state after one step at ``world`` ranks, loaded into a
+    fresh model sharded over half as many ranks (the shard dim of a (2, world / 2) mesh) at 4 ranks, over
+    the same ranks at 2; the loaded parameters and optimizer state equal the saved ones (ours, and
+    FSDP2 the same way)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def full(tree: dict) -> dict:
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in tree.items()}
+
+    load_mesh = (init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))["shard"]
+                 if world == 4 else mesh)
+    out = {}
+    x, y = batch(0)
+    for which in ("ours", "fsdp2"):
+        model = shard(build(), mesh, which)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        loss_of(model, x[rows_of(rank, world)], y[rows_of(rank, world)]).backward()
+        opt.step()
+        opt.zero_grad()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/{which}").result()
+        saved = {"model": full(model_sd), "optim": {k: full(v) for k, v in optim_sd["state"].items()}}
+
+        fresh = shard(build(), load_mesh, which)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
+        loss_of(fresh, x[:1], y[:1]).backward()  # AdamW's state exists (DCP loads into it)
+        fresh_opt.step()
+        fresh_opt.zero_grad()
+        model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/{which}")
+        set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+        out[which] = {
+            "model": rel_errors(full(model_sd), saved["model"]),
+            "optim": max(rel_errors({k: v for k, v in full(optim_sd["state"][n]).items() if k != "step"},
+                                    {k: v for k, v in saved["optim"][n].items() if k != "step"})
+                         for n in saved["optim"]),
+        }
+    return out
+
+
 # ----- the checks of one launch -------------------------------------------------------------------------
-def checks(rank: int, world: int) -> dict:
+def checks(rank: int, world: int, path: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out = {}
 
@@ -545,5 +589,6 @@ def checks(rank: int, world: int) -> dict:
     run("cpu_offload", lambda: _cpu_offload(mesh, rank, world))
     run("gradient_penalty", lambda: _gradient_penalty(mesh, rank, world))
     run("embedding_max_norm", lambda: _embedding_max_norm(mesh, rank, world))
+    run("async_dcp", lambda: _async_dcp(mesh, rank, world, f"{path}/{world}"))
     dist.barrier()
     return out

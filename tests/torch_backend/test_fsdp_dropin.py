@@ -8,6 +8,7 @@ parameter within 1e-5 in relative norm; the few float32 roundings of a different
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from tests.torch_backend._dist import Launcher
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2  # bf16 parameters and activations against the fp32 reference (8 mantissa bits)
-run = Launcher(str(Path(W.__file__)))
+run = Launcher(str(Path(W.__file__)), "checks", tempfile.mkdtemp(prefix="dropin_dcp_"))
 
 
 def result(world: int, case: str):
@@ -159,3 +160,11 @@ def test_embedding_max_norm_renorms_rows_used_on_any_rank(world):
     r = result(world, "embedding_max_norm")
     assert r["fsdp2"]["params"] > 0.1, r  # FSDP2 loses the renormed rows at reshard
     assert r["ours"]["loss"] <= FP32_RTOL and r["ours"]["params"] <= FP32_RTOL, r
+
+
+# ----- async DCP ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_dcp_async_save_then_load_at_another_world_size(world):
+    r = result(world, "async_dcp")  # at 4 ranks loaded over 2; at 2 over the same 2
+    for which in ("ours", "fsdp2"):
+        assert r[which]["model"] == 0.0 and r[which]["optim"] == 0.0, r  # bit-exact round trip

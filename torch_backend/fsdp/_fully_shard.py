@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 import ragged
 from ragged import Granularity, GranularityRule, Layout, TensorSpec
 from torch_backend._collectives import all_reduce
-from torch_backend._torch_internals import source_mesh
+from torch_backend._torch_internals import offset_free, source_mesh
 from torch_backend.fsdp._api import as_mp_policy, offloads_to_cpu
 from torch_backend.fsdp._hooks import EmbeddingRenorm, FSDPState, states_under
 from torch_backend.fsdp._module import FSDPModule
@@ -261,11 +261,23 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         state.renorms = [EmbeddingRenorm(m, unit.device) for m in owners
                          if isinstance(m, nn.Embedding) and m.max_norm is not None]
     for m in modules:
+        m.register_state_dict_post_hook(_offset_free_values)
         cls = m.__class__
         m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
     for top in modules:
         _name_units(top)
     return module
+
+
+def _offset_free_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict values of sharded parameters as DTensors whose wrapper has storage offset 0.
+
+    Their locals are views into the unit's flat shard; DCP's async staging (``dcp.async_save``) reads a
+    DTensor wrapper's storage when its offset is not 0 (see ``offset_free``). Same memory, no copy.
+    """
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, DTensor) and value.storage_offset() != 0:
+            state_dict[key] = offset_free(value)
 
 
 def _ids(params: set[nn.Parameter] | None) -> frozenset[int]:
