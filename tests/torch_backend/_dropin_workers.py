@@ -561,6 +561,34 @@ def _async_dcp(mesh, rank: int, world: int, path: str) -> dict:
     return out
 
 
+# ----- 7. torch.compile ------------------------------------------------------------------------------
+def _compiled(mesh, rank: int, world: int) -> dict:
+    """``torch.compile`` (inductor) of the whole sharded model, and of each block before sharding
+    (torchtitan's way): training equals the eager single-process reference, for ours and FSDP2, and
+    the graphs dynamo compiled are counted (our hooks run eagerly: one graph break at each)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    ref = reference()
+    out = {}
+    for which in ("ours", "fsdp2"):
+        for mode in ("whole", "blocks"):
+            torch._dynamo.reset()
+            counters.clear()
+            model = build()
+            if mode == "blocks":
+                for block in model.blocks:
+                    block.compile()
+            model = shard(model, mesh, which)
+            compiled = torch.compile(model) if mode == "whole" else model
+            losses = train(compiled, rows_of(rank, world))
+            out[f"{which}_{mode}"] = errors(losses, full_params(model), ref) | {
+                "graphs": counters["stats"]["unique_graphs"],
+                "breaks": sum(counters["graph_break"].values())}
+    torch._dynamo.reset()
+    return out
+
+
 # ----- the checks of one launch -------------------------------------------------------------------------
 def checks(rank: int, world: int, path: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
@@ -590,5 +618,7 @@ def checks(rank: int, world: int, path: str) -> dict:
     run("gradient_penalty", lambda: _gradient_penalty(mesh, rank, world))
     run("embedding_max_norm", lambda: _embedding_max_norm(mesh, rank, world))
     run("async_dcp", lambda: _async_dcp(mesh, rank, world, f"{path}/{world}"))
+    if world == 2:
+        run("compiled", lambda: _compiled(mesh, rank, world))
     dist.barrier()
     return out

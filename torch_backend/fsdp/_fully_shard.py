@@ -260,6 +260,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         owners = {id(owner): owner for _, owner, _, _ in _uses(modules, ignored)}.values()
         state.renorms = [EmbeddingRenorm(m, unit.device) for m in owners
                          if isinstance(m, nn.Embedding) and m.max_norm is not None]
+    for sub in (s for m in modules for s in m.modules()):  # FSDP2's flags for dynamo: parameters are graph
+        sub._is_fsdp_managed_module = sub._fsdp_use_orig_params = True  # inputs (swapped at each (un)shard)
     for m in modules:
         m.register_state_dict_post_hook(_offset_free_values)
         cls = m.__class__

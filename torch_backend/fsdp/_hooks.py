@@ -21,8 +21,10 @@ together, before the first mismatched collective, when their data took them down
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +42,30 @@ from torch_backend.fsdp._unit import Unit
 CHECK_EVENTS = os.environ.get("RAGGED_FSDP_CHECK_EVENTS", "1") != "0"
 FORWARD, BACKWARD, REDUCE = range(3)
 _EVENTS = ("forward", "backward", "reduce-scatter")
+
+
+def _eager(fn: Callable) -> Callable:
+    """``fn`` runs eagerly when a ``torch.compile``'d model calls it (a graph break, FSDP2's way).
+
+    Without dynamo imported nothing can compile, so ``fn`` is called as is; the disabled version is
+    made on the first call after ``torch.compile`` imported dynamo (importing it here would double the
+    package's import time). Dynamo runs that first ``disable`` call eagerly too, as in FSDP2.
+    """
+
+    @functools.wraps(fn)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return fn(*args, **kwargs)
+        disabled = _DISABLED.get(fn)
+        if disabled is None:
+            disabled = _DISABLED[fn] = dynamo.disable(fn, recursive=True)
+        return disabled(*args, **kwargs)
+
+    return hook
+
+
+_DISABLED: dict[Callable, Callable] = {}
 
 
 class FSDPState:
@@ -81,6 +107,9 @@ class FSDPState:
         return self.root is not None and self.root.state is self
 
     # ----- forward ---------------------------------------------------------------------------------
+    # The hooks run eagerly under torch.compile, as FSDP2's do (``torch.compiler.disable``): dynamo
+    # would otherwise trace the collectives, the storage resizes and the bookkeeping into every graph.
+    @_eager
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root is None:
             RootContext(self)
@@ -134,6 +163,7 @@ class FSDPState:
         if unit is not None and unit.all_grads_landed and self._inputs_pending == 0:
             self.post_backward()
 
+    @_eager
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         leaves = pytree.tree_leaves(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -153,6 +183,7 @@ class FSDPState:
         return output
 
     # ----- backward --------------------------------------------------------------------------------
+    @_eager
     def _pre_backward(self, _: Any) -> None:
         if self._backward_started:
             return
@@ -219,6 +250,7 @@ class EmbeddingRenorm:
         self.used = torch.zeros(module.num_embeddings, dtype=torch.int32, device=device)
         module.register_forward_pre_hook(self._record)
 
+    @_eager
     def _record(self, module: nn.Embedding, args: tuple) -> None:
         self.used[args[0].reshape(-1).to(self.used.device)] = 1
 
