@@ -15,6 +15,8 @@ the root, the rule a user applies to their own model). ``reshard_after_forward=T
 - peak memory per rank: peak RSS minus RSS before building the model, each runtime in its own launch
   (glibc is told to mmap every allocation above 64 KiB, so freed tensors leave the RSS); on CUDA the
   peak of ``torch.cuda.max_memory_allocated`` above what was allocated before building;
+- compiled: ``torch.compile`` (inductor) of the whole project llama on both, step times alternating as
+  above after compiling, and the graphs and graph breaks dynamo made (rank 0);
 - on CUDA only, the same device-memory peak and step time with ``offload_policy=CPUOffloadPolicy()`` on
   both (sharded parameters, gradients and AdamW state on the host). On CPU the row is skipped, saying
   so: offloading to the host from the host moves nothing, and RSS cannot tell device memory apart.
@@ -249,6 +251,35 @@ def _timing(name: str, rank: int, mesh, warmup: int, steps: int) -> dict:
     return out
 
 
+def _compiled(rank: int, mesh, warmup: int, steps: int) -> dict:
+    """Both runtimes on the project llama under ``torch.compile``: median step times and graph counts."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    out = {}
+    runs = {}
+    for kind in ("fsdp2", "ours"):
+        torch._dynamo.reset()
+        counters.clear()
+        model, opt = _build("llama", kind, mesh)
+        compiled = torch.compile(model)
+        t0 = time.perf_counter()
+        _step(compiled, opt, 0, rank)  # compiles forward and backward
+        out[kind] = {"compile_step_s": time.perf_counter() - t0, "step_s": [], "losses": [],
+                     "graphs": counters["stats"]["unique_graphs"],
+                     "graph_breaks": sum(counters["graph_break"].values())}
+        runs[kind] = (compiled, opt)
+    for step in range(1, warmup + steps):
+        for kind, (model, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss, _ = _step(model, opt, step, rank)
+            if step >= warmup:
+                out[kind]["step_s"].append(time.perf_counter() - t0)
+            out[kind]["losses"].append(loss)
+    return out
+
+
 def _memory(name: str, kind: str, mesh, steps: int, offload: bool = False) -> dict:
     rank = dist.get_rank()
     if name != "llama":
@@ -287,8 +318,12 @@ def _worker(rank: int, port: int, name: str, mode: str, kind: str, warmup: int, 
 
     _mark_collectives()
     mesh = init_device_mesh(DEVICE, (WORLD,))
-    result = (_timing(name, rank, mesh, warmup, steps) if mode == "timing"
-              else _memory(name, kind, mesh, warmup + steps, offload=mode == "offload"))
+    if mode == "timing":
+        result = _timing(name, rank, mesh, warmup, steps)
+    elif mode == "compiled":
+        result = _compiled(rank, mesh, warmup, steps)
+    else:
+        result = _memory(name, kind, mesh, warmup + steps, offload=mode == "offload")
     queue.put((rank, result))
     dist.barrier()
     dist.destroy_process_group()
@@ -348,6 +383,32 @@ def _offload(warmup: int) -> dict:
                    "median_step_s": res[0]["median_step_s"]} for kind, res in runs.items()}
 
 
+def _compiled_summary(warmup: int, steps: int) -> dict:
+    r0 = _launch("llama", "compiled", "both", warmup, steps)[0]
+    out = {kind: {"median_step_s": statistics.median(r0[kind]["step_s"]), "graphs": r0[kind]["graphs"],
+                  "graph_breaks": r0[kind]["graph_breaks"], "first_step_s": r0[kind]["compile_step_s"],
+                  "losses": r0[kind]["losses"]} for kind in ("fsdp2", "ours")}
+    out["step_time_ratio_ours_over_fsdp2"] = out["ours"]["median_step_s"] / out["fsdp2"]["median_step_s"]
+    pairs = zip(out["ours"]["losses"], out["fsdp2"]["losses"])
+    out["max_loss_difference"] = max(abs(a - b) for a, b in pairs)
+    return out
+
+
+def _compiled_table(s: dict) -> str:
+    c = s.get("compiled")
+    if c is None:
+        return ""
+    rows = [("median step time", lambda r: f"{r['median_step_s'] * 1e3:.1f} ms"),
+            ("first step (compiling)", lambda r: f"{r['first_step_s']:.1f} s"),
+            ("graphs compiled (unique)", lambda r: str(r["graphs"])),
+            ("graph breaks", lambda r: str(r["graph_breaks"]))]
+    return ("\n## `torch.compile(model)` (inductor), the project llama\n\n| metric | FSDP2 | ours |\n"
+            "|---|---|---|\n" + "".join(f"| {n} | {f(c['fsdp2'])} | {f(c['ours'])} |\n" for n, f in rows)
+            + f"\nStep time ratio (ours / FSDP2): **{c['step_time_ratio_ours_over_fsdp2']:.3f}**; largest "
+            f"loss difference {c['max_loss_difference']:.2e}. Our hooks run eagerly (a graph break at each), "
+            "FSDP2's too.\n")
+
+
 def _offload_table(s: dict) -> str:
     o = s.get("offload")
     if o is None:
@@ -364,7 +425,7 @@ def _offload_table(s: dict) -> str:
 
 def _markdown(s: dict) -> str:
     text = _table(s, "project llama; wraps tok_embeddings, each block, [norm, output], root")
-    text += _offload_table(s)
+    text += _compiled_table(s) + _offload_table(s)
     if "hf_llama" in s:
         text += ("\n## HuggingFace LlamaForCausalLM (untied), the same shapes\n\n"
                  + _table(s["hf_llama"], "transformers LlamaForCausalLM (tie_word_embeddings=False, sdpa); "
@@ -424,6 +485,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=SEQ)
     parser.add_argument("--models", default=",".join(MODELS),
                         help="comma-separated subset of: " + ", ".join(MODELS))
+    parser.add_argument("--no-compiled", dest="compiled", action="store_false",
+                        help="skip the torch.compile rows (inductor compiles for minutes on CPU)")
     parser.add_argument("--out", default="torch_vs_fsdp2",
                         help="results file stem, under experiments/results unless it is a path")
     args = parser.parse_args()
@@ -438,6 +501,8 @@ def main() -> None:
         timing = _launch(name, "timing", "both", args.warmup, args.steps)
         memory = {kind: _launch(name, "memory", kind, args.warmup, 3) for kind in ("fsdp2", "ours")}
         summaries[name] = _summary(timing, memory)
+    if args.compiled:
+        summaries["llama"]["compiled"] = _compiled_summary(args.warmup, args.steps)
     summaries["llama"]["offload"] = _offload(args.warmup)
     summary = summaries["llama"] | {name: summaries[name] for name in summaries if name != "llama"}
     summary["wall_s"] = time.perf_counter() - t0

@@ -233,7 +233,7 @@ def _accumulate_without_resharding(mesh, rank: int, world: int) -> dict:
 
 def _reshard_after_forward(mesh, rank: int, world: int) -> dict:
     """``set_reshard_after_forward(False)`` keeps every unit gathered after forward (one all-gather per
-    unit and step); the int forms 1 and the shard size mean False and True; others are refused."""
+    unit and step); the int forms 1 and the shard size mean False and True; 2 of 4 keeps half."""
     from torch_backend.fsdp import UnitState, units
 
     out = both(mesh, rank, world, setup=lambda m: m.set_reshard_after_forward(False))
@@ -250,8 +250,14 @@ def _reshard_after_forward(mesh, rank: int, world: int) -> dict:
         model(x)
         kept[value] = [u.state is UnitState.UNSHARDED for u in units(model.blocks[0])]
     out["int"] = {str(k): v for k, v in kept.items()}
-    out["int_refused"] = raised(lambda: shard(build(), mesh, "ours", reshard_after_forward=world // 2)) \
-        if world >= 4 else "skipped"
+    if world == 4:  # groups of 2: each rank keeps half of the unsharded unit after forward
+        from torch_backend.fsdp import units
+
+        out["int_2"] = both(mesh, rank, world, reshard_after_forward=2)
+        model = shard(build(), mesh, "ours", reshard_after_forward=2)
+        model(x)
+        out["int_2_state"] = {u.name: [u.state.value, 0 if u._grouped is None else u._grouped.numel(),
+                                       u.layout.total_numel] for u in units(model)}
     out["int_bad"] = raised(lambda: shard(build(), mesh, "ours", reshard_after_forward=world + 1))
     return out
 

@@ -73,8 +73,10 @@ def test_reshard_after_forward_method_and_int_forms(world):
     assert r["after_forward_unsharded"] == [True] * 4 and r["gathers_per_unit"] == [1]
     assert r["int"] == {"1": [True], str(world): [False]}  # FSDP2: 1 means False, the shard size True
     assert "divides the shard dim's size" in r["int_bad"], r["int_bad"]
-    if world == 4:
-        assert r["int_refused"].startswith("NotImplementedError: fully_shard: reshard_after_forward=2"), r
+    if world == 4:  # FSDP2's reshard to groups of 2 ranks after forward
+        assert_trains(r["int_2"])
+        for name, (state, kept, total) in r["int_2_state"].items():  # the root too: an explicit value
+            assert (state, kept) == ("grouped", total // 2), (name, r["int_2_state"])
 
 
 @pytest.mark.parametrize("world", [2, 4])

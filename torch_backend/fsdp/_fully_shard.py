@@ -208,8 +208,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         mesh: a 1-D mesh or a 2-D ``(replicate, shard)`` mesh for HSDP; default: every rank of the default
             process group on its device type.
         reshard_after_forward: free the unsharded parameters after forward (all-gather again in
-            backward); None (default): True for every unit but the root. An int is FSDP2's group size
-            to reshard to: 1 means False, the shard dim's size means True; sizes in between raise.
+            backward); None (default): True for every unit but the root. An int ``N`` is FSDP2's group
+            size to reshard to: each rank keeps 1/N of the unsharded unit after forward and backward
+            gathers it over N consecutive ranks (1 means False, the shard dim's size True).
         shard_placement_fn: FSDP2's per-parameter placement: ``None`` or ``Shard(0)`` (whole rows; the
             planner's default granularity, or ``granularity``) are accepted; ``Shard(d)`` for ``d > 0``
             and per-parameter meshes raise (see docs/fully_shard.md).
@@ -241,7 +242,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     ignored = _ids(ignored_params)
     params = _managed(modules, ignored)
     _check(modules, params, mesh)
-    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
+    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh)
     _check_placements(shard_placement_fn, params)
     mp_policy = as_mp_policy(mp_policy)
     offload, pin_memory = offloads_to_cpu(offload_policy)
@@ -255,6 +256,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         refs = [ParamRef(n, owner, attr, tuple(shared.get(id(p), ()))) for n, owner, attr, p in params]
         unit = Unit(layout.name, layout, refs, [p for *_, p in params], mesh, mp_policy,
                     offload=offload, pin_memory=pin_memory)
+        if not isinstance(reshard_after_forward, bool | None):
+            group, index = _post_forward_group(mesh, reshard_after_forward)
+            unit.set_post_forward_group(group, index, reshard_after_forward)
     state = FSDPState(tuple(modules), unit, reshard_after_forward, mp_policy)  # hooks and attaches to them
     if unit is not None:
         owners = {id(owner): owner for _, owner, _, _ in _uses(modules, ignored)}.values()
@@ -286,20 +290,28 @@ def _ids(params: set[nn.Parameter] | None) -> frozenset[int]:
     return frozenset(id(p) for p in params or ())
 
 
-def _resolve_reshard_after_forward(value: bool | int | None, shard_size: int) -> bool | None:
+def _resolve_reshard_after_forward(value: bool | int | None, mesh: DeviceMesh) -> bool | int | None:
     """FSDP2's rules: a bool or None as is; an int is a group size to reshard to after forward."""
     if value is None or isinstance(value, bool):
         return value
+    shard_size = mesh.size(mesh.ndim - 1)
     if not isinstance(value, int) or value < 1 or shard_size % value:
         raise ValueError(f"fully_shard: reshard_after_forward should be a bool or an int that divides the "
                          f"shard dim's size {shard_size}, not {value!r}")
     if value in (1, shard_size):
         return value == shard_size  # FSDP2: 1 keeps the whole unit (False), the full size reshards (True)
-    raise NotImplementedError(
-        f"fully_shard: reshard_after_forward={value} (reshard to groups of {value} ranks after forward) is "
-        "not supported: a unit's shards are planned for the whole shard dim, and backward would need a "
-        "second layout over the smaller groups; use True (reshard, gather over every rank again) or False "
-        "(keep)")
+    if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward={value} needs a mesh over every rank of the process group "
+            "(its groups are built by every rank alike); this mesh was cut from a larger one")
+    return value
+
+
+def _post_forward_group(mesh: DeviceMesh, size: int) -> tuple[dist.ProcessGroup, int]:
+    """FSDP2's post-forward mesh: the shard dim's ranks in consecutive groups of ``size``; this rank's
+    group and its index there."""
+    groups = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
+    return groups.get_group(1), groups.get_local_rank(1)
 
 
 def _check_placements(shard_placement_fn: Callable[[nn.Parameter], object] | None, params: list) -> None:

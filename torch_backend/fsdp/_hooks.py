@@ -73,14 +73,15 @@ class FSDPState:
 
     modules: tuple[nn.Module, ...]
     unit: Unit | None
-    reshard_after_forward: bool | None  # None: FSDP2's default (every unit but the root)
+    reshard_after_forward: bool | int | None  # None: FSDP2's default (all but the root); int: group size
     unshard_in_backward: bool  # False: backward never gathers the unit (its weights are not read there)
     mp_policy: MixedPrecisionPolicy  # casts of the forward's inputs and outputs
     forward_prefetch: list[FSDPState] | None  # explicit targets; None: the next unit of the last step
     backward_prefetch: list[FSDPState] | None  # explicit targets; None: the previous unit in forward order
     root: RootContext | None  # set at the first forward of the root
 
-    def __init__(self, modules: tuple[nn.Module, ...], unit: Unit | None, reshard_after_forward: bool | None,
+    def __init__(self, modules: tuple[nn.Module, ...], unit: Unit | None,
+                 reshard_after_forward: bool | int | None,
                  mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules
         self.unit = unit
@@ -177,7 +178,7 @@ class FSDPState:
             for renorm in self.renorms:  # every rank: the unit's forward ran on every rank
                 renorm.sync(self.unit)
         if self._modules_left == 0 and self.unit is not None and reshard:
-            self.unit.reshard()
+            self.unit.reshard(to_group=not isinstance(reshard, bool))  # an int: FSDP2's group size
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output

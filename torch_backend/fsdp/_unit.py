@@ -37,6 +37,9 @@ from torch_backend.placement import RaggedShard, make_dtensor
 class UnitState(enum.Enum):
     SHARDED = "sharded"  # only local shards exist; the modules hold the sharded DTensor parameters
     UNSHARDED = "unsharded"  # the unsharded buffer is filled; the modules hold the views into it
+    # reshard_after_forward=N: this rank keeps its 1/N of the unsharded buffer, gathered back over a group
+    # of N ranks in backward; the modules hold the sharded parameters
+    GROUPED = "grouped"
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,9 @@ class Unit:
         self.requires_grad_sync = self.requires_all_reduce = self.reshard_after_backward = True
         self.gradient_divide_factor = self.all_reduce_hook = None
         self.reduce_group = self.shard_group
+        self.post_forward_group: dist.ProcessGroup | None = None  # reshard_after_forward=N's group
+        self._group_index = self._group_size = 0
+        self._grouped: torch.Tensor | None = None  # 1-D [total / N]: this rank's part in GROUPED state
         self._partial: torch.Tensor | None = None  # HSDP sum of reduce-scatters not all-reduced yet
         self.ag_stream = self.rs_stream = None
         self.state = UnitState.SHARDED
@@ -242,14 +248,16 @@ class Unit:
             return
         with side_stream(self.ag_stream, after):
             self.compute.alloc_full()
-            if self.compute is not self.master:  # the mixed-precision cast and/or the host-to-device copy
+            source, group = self.compute.shard, self.shard_group
+            if self.state is UnitState.GROUPED:
+                source, group = self._grouped, self.post_forward_group
+            elif self.compute is not self.master:  # the mixed-precision cast and/or the host-to-device copy
                 self.compute.copy_(self.master.shard, non_blocking=self._pin)
             # The all-gather refills memory that autograd saved in forward (reshard_after_forward) with
             # the same values, so the version counter guarding saved tensors must not move: remember it
             # now and restore it once the collective is done (gloo bumps it when the work completes).
             self._keep_version = preserve_version_counter(self.compute.full)
-            self._pending_all_gather = all_gather(self.compute.full, self.compute.shard, self.shard_group,
-                                                  unit=self.name)
+            self._pending_all_gather = all_gather(self.compute.full, source, group, unit=self.name)
         if not async_op:
             self.wait_for_unshard()
 
@@ -261,28 +269,47 @@ class Unit:
             with self._keep_version:  # restores the version remembered at issue
                 pass
             self._version = version_of(self.compute.full)
-        if self.state is UnitState.SHARDED:
+            self._grouped = None  # gathered from: no longer needed
+        if self.state is not UnitState.UNSHARDED:
             for sharded, unsharded in zip(self.sharded, self.unsharded):
                 unsharded.requires_grad_(sharded.requires_grad)  # a switch after wrapping takes effect
             self._register(self.unsharded)
             self.state = UnitState.UNSHARDED
 
-    def reshard(self) -> None:
+    def reshard(self, to_group: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded buffer.
 
         If the unsharded parameters were written to since the all-gather (``with unsharded(model):``
         around an initialisation or an edit), this rank first keeps its slice of what was written.
+
+        Args:
+            to_group: after forward with ``reshard_after_forward=N``: keep this rank's 1/N of the
+                unsharded buffer (one copy), which backward gathers over the N ranks of its group.
         """
         if self._pending_all_gather is not None:
             self.wait_for_unshard()  # never free memory a collective is still writing
-        if self.state is UnitState.SHARDED:
+        if self.state is UnitState.GROUPED and not to_group:
+            self._grouped = None
+            self.state = UnitState.SHARDED
+        if self.state is not UnitState.UNSHARDED:
             return
         if version_of(self.compute.full) != self._version:
             lo, hi = self.layout.shard_range(self.rank)
             self.master.copy_(self.compute.full[lo:hi])
         self._register(self.sharded)
-        self.compute.free_full()
         self.state = UnitState.SHARDED
+        if to_group and self.post_forward_group is not None:
+            n = self.layout.total_numel // self._group_size
+            part = self.compute.full[self._group_index * n:(self._group_index + 1) * n]
+            self._grouped = torch.empty_like(part)
+            record_copy(self._grouped, part)
+            self._grouped.copy_(part)
+            self.state = UnitState.GROUPED
+        self.compute.free_full()
+
+    def set_post_forward_group(self, group: dist.ProcessGroup, index: int, size: int) -> None:
+        """``reshard_after_forward=size``: this rank is ``index`` in ``group`` (consecutive shard ranks)."""
+        self.post_forward_group, self._group_index, self._group_size = group, index, size
 
     # ----- gradients ------------------------------------------------------------------------------
     def _on_first_grad(self, grad: torch.Tensor) -> None:
