@@ -469,12 +469,14 @@ class RootContext:
         for unit in self._reduced:
             by_groups.setdefault((unit.shard_group, unit.replicate_group), []).append(unit)
         for (shard_group, replicate_group), units in by_groups.items():
-            masks = [u.landed_mask() for u in units]
-            used = torch.cat(masks)
+            used = torch.zeros(sum(len(u.refs) for u in units), dtype=torch.int32, device=units[0].device)
+            parts = used.split([len(u.refs) for u in units])  # each unit writes its view: no concatenation
+            for u, part in zip(units, parts):
+                u.landed_mask(part)
             for group in (shard_group, replicate_group):
                 if group is not None:
                     all_reduce(used, group, unit="landed gradients", op=dist.ReduceOp.MAX).wait()
-            for u, part in zip(units, used.split([len(m) for m in masks])):
+            for u, part in zip(units, parts):
                 u.end_backward(part)
         for s in self.states:
             if s.unit is not None and s.unit not in self._reduced:

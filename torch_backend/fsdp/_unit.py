@@ -414,11 +414,10 @@ class Unit:
         """This reduce ends with the gradients given out (not an HSDP step that skips the all-reduce)."""
         return self.replicate_group is None or self.requires_all_reduce
 
-    def landed_mask(self) -> torch.Tensor:
-        """1 for each parameter that got a gradient on this rank since the previous reduce, else 0."""
-        mask = torch.zeros(len(self.refs), dtype=torch.int32, device=self.device)
-        mask[sorted(self._reduced or ())] = 1
-        return mask
+    def landed_mask(self, out: torch.Tensor) -> None:
+        """Write into ``out`` (one int per parameter, zeroed) 1 for each parameter that got a gradient on
+        this rank since the previous reduce."""
+        out[sorted(self._reduced or ())] = 1
 
     def end_backward(self, used_anywhere: torch.Tensor | None) -> None:
         """Give the sharded parameters their ``.grad`` views once the reduce is finished.
