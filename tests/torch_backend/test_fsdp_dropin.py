@@ -18,7 +18,8 @@ from tests.torch_backend._dist import Launcher
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2  # bf16 parameters and activations against the fp32 reference (8 mantissa bits)
-run = Launcher(str(Path(W.__file__)), "checks", tempfile.mkdtemp(prefix="dropin_dcp_"))
+_CHECKPOINTS = tempfile.TemporaryDirectory(prefix="dropin_dcp_")  # removed when the session ends
+run = Launcher(str(Path(W.__file__)), "checks", _CHECKPOINTS.name)
 
 
 def result(world: int, case: str):
