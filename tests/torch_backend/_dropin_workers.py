@@ -571,7 +571,7 @@ def _async_dcp(mesh, rank: int, world: int, path: str) -> dict:
 def _compiled(mesh, rank: int, world: int) -> dict:
     """``torch.compile`` (inductor) of the whole sharded model, and of each block before sharding
     (torchtitan's way): training equals the eager single-process reference, for ours and FSDP2, and
-    the graphs dynamo compiled are counted (our hooks run eagerly: one graph break at each)."""
+    the graphs and graph breaks dynamo made are counted (the hooks run eagerly, outside the graphs)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 

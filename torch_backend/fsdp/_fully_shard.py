@@ -268,8 +268,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         sub._is_fsdp_managed_module = sub._fsdp_use_orig_params = True  # inputs (swapped at each (un)shard)
     for m in modules:
         m.register_state_dict_post_hook(_offset_free_values)
-        cls = m.__class__
-        m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        m.__class__ = _sharded_class(m.__class__)
     for top in modules:
         _name_units(top)
     return module
@@ -284,6 +283,17 @@ def _offset_free_values(module: nn.Module, state_dict: dict, prefix: str, local_
     for key, value in state_dict.items():
         if key.startswith(prefix) and isinstance(value, DTensor) and value.storage_offset() != 0:
             state_dict[key] = offset_free(value)
+
+
+# One sharded class per original class, as FSDP2 keeps (its ``cls_to_fsdp_cls``): identical blocks share
+# a type, so torch.compile reuses one graph for all of them instead of recompiling per block.
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _SHARDED_CLASSES[cls]
 
 
 def _ids(params: set[nn.Parameter] | None) -> frozenset[int]:

@@ -21,9 +21,7 @@ together, before the first mismatched collective, when their data took them down
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,27 +43,13 @@ _EVENTS = ("forward", "backward", "reduce-scatter")
 
 
 def _eager(fn: Callable) -> Callable:
-    """``fn`` runs eagerly when a ``torch.compile``'d model calls it (a graph break, FSDP2's way).
+    """``fn`` as a hook that runs eagerly when a ``torch.compile``'d model calls it, as FSDP2's hooks do.
 
-    Without dynamo imported nothing can compile, so ``fn`` is called as is; the disabled version is
-    made on the first call after ``torch.compile`` imported dynamo (importing it here would double the
-    package's import time). Dynamo runs that first ``disable`` call eagerly too, as in FSDP2.
+    A dynamo-disabled function registered as the module hook itself: dynamo then runs it outside the
+    graph without breaking it (a Python wrapper around it would be traced and break the graph at each
+    call). Dynamo is imported here, at the first ``fully_shard``, not when the package is imported.
     """
-
-    @functools.wraps(fn)
-    def hook(*args: Any, **kwargs: Any) -> Any:
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is None:
-            return fn(*args, **kwargs)
-        disabled = _DISABLED.get(fn)
-        if disabled is None:
-            disabled = _DISABLED[fn] = dynamo.disable(fn, recursive=True)
-        return disabled(*args, **kwargs)
-
-    return hook
-
-
-_DISABLED: dict[Callable, Callable] = {}
+    return torch.compiler.disable(fn, recursive=True)
 
 
 class FSDPState:
@@ -98,9 +82,14 @@ class FSDPState:
         self._inputs_pending = 0  # forwards whose inputs have not received their gradients yet
         if unit is not None:
             unit.post_backward_callback = self._maybe_post_backward
+        # The hooks run eagerly under torch.compile, as FSDP2's do: dynamo would otherwise trace the
+        # collectives, the storage resizes and the bookkeeping into every graph.
+        self.pre_forward_hook = _eager(self.pre_forward)
+        self.post_forward_hook = _eager(self.post_forward)
+        self._pre_backward_hook = _eager(self._pre_backward)
         for m in modules:
-            m.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-            m.register_forward_hook(self.post_forward)
+            m.register_forward_pre_hook(self.pre_forward_hook, prepend=True, with_kwargs=True)
+            m.register_forward_hook(self.post_forward_hook)
             m._fsdp_state = self
 
     @property
@@ -108,9 +97,6 @@ class FSDPState:
         return self.root is not None and self.root.state is self
 
     # ----- forward ---------------------------------------------------------------------------------
-    # The hooks run eagerly under torch.compile, as FSDP2's do (``torch.compiler.disable``): dynamo
-    # would otherwise trace the collectives, the storage resizes and the bookkeeping into every graph.
-    @_eager
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root is None:
             RootContext(self)
@@ -164,12 +150,11 @@ class FSDPState:
         if unit is not None and unit.all_grads_landed and self._inputs_pending == 0:
             self.post_backward()
 
-    @_eager
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         leaves = pytree.tree_leaves(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
         self._modules_left -= 1
         reshard = self.reshard_after_forward
         if reshard is None:
@@ -184,7 +169,6 @@ class FSDPState:
         return output
 
     # ----- backward --------------------------------------------------------------------------------
-    @_eager
     def _pre_backward(self, _: Any) -> None:
         if self._backward_started:
             return
@@ -249,9 +233,8 @@ class EmbeddingRenorm:
     def __init__(self, module: nn.Embedding, device: torch.device) -> None:
         self.module = module
         self.used = torch.zeros(module.num_embeddings, dtype=torch.int32, device=device)
-        module.register_forward_pre_hook(self._record)
+        module.register_forward_pre_hook(_eager(self._record))
 
-    @_eager
     def _record(self, module: nn.Embedding, args: tuple) -> None:
         self.used[args[0].reshape(-1).to(self.used.device)] = 1
 

@@ -282,8 +282,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def through_hooks(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(self, args, kwargs)
-        return state.post_forward(self, args, method(self, *args, **kwargs))
+        args, kwargs = state.pre_forward_hook(self, args, kwargs)
+        return state.post_forward_hook(self, args, method(self, *args, **kwargs))
 
     setattr(module, method_name, through_hooks.__get__(module))
 
