@@ -63,6 +63,8 @@ class FSDPState:
     forward_prefetch: list[FSDPState] | None  # explicit targets; None: the next unit of the last step
     backward_prefetch: list[FSDPState] | None  # explicit targets; None: the previous unit in forward order
     root: RootContext | None  # set at the first forward of the root
+    pre_forward_hook: Callable  # pre_forward and post_forward as registered: eager under torch.compile
+    post_forward_hook: Callable
 
     def __init__(self, modules: tuple[nn.Module, ...], unit: Unit | None,
                  reshard_after_forward: bool | int | None,
