@@ -405,8 +405,8 @@ def _compiled_table(s: dict) -> str:
     return ("\n## `torch.compile(model)` (inductor), the project llama\n\n| metric | FSDP2 | ours |\n"
             "|---|---|---|\n" + "".join(f"| {n} | {f(c['fsdp2'])} | {f(c['ours'])} |\n" for n, f in rows)
             + f"\nStep time ratio (ours / FSDP2): **{c['step_time_ratio_ours_over_fsdp2']:.3f}**; largest "
-            f"loss difference {c['max_loss_difference']:.2e}. Our hooks run eagerly (a graph break at each), "
-            "FSDP2's too.\n")
+            f"loss difference {c['max_loss_difference']:.2e}. The hooks of both run eagerly, outside the "
+            "graphs.\n")
 
 
 def _offload_table(s: dict) -> str:
