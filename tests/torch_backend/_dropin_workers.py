@@ -167,7 +167,15 @@ def _module_api(mesh) -> dict:
                                     model.set_reduce_scatter_max_input_buffers(2),
                                     model.set_allocate_memory_from_process_group_for_comm(False))),
         "deepcopy": raised(lambda: __import__("copy").deepcopy(model)),
+        "shared_class": type(model.blocks[0]) is type(model.blocks[1]),  # FSDP2's one class per class
+        "slice": type(_sharded_sequential(mesh)[0:1]).__name__,  # __new__ builds the original class
     }
+
+
+def _sharded_sequential(mesh) -> nn.Sequential:
+    from torch_backend import fully_shard
+
+    return fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), mesh=mesh)
 
 
 def _all_gathers_of(fn: Callable[[], object]) -> dict[str, int]:

@@ -49,6 +49,7 @@ def test_our_modules_are_torch_fsdp_modules_and_override_every_method():
     for method, message in r["refused"].items():
         assert message.startswith(f"NotImplementedError: FSDPModule.{method} (torch_backend): "), message
     assert "deepcopy" in r["deepcopy"] and "state dict" in r["deepcopy"]
+    assert r["shared_class"] and r["slice"] == "Sequential", r  # FSDP2's class cache and __new__
 
 
 @pytest.mark.parametrize("world", [2, 4])
