@@ -14,7 +14,12 @@ the root, the rule a user applies to their own model). ``reshard_after_forward=T
 - all-gather and reduce-scatter bytes (padding included) from the c10d ops the same meter sees;
 - peak memory per rank: peak RSS minus RSS before building the model, each runtime in its own launch
   (glibc is told to mmap every allocation above 64 KiB, so freed tensors leave the RSS); on CUDA the
-  peak of ``torch.cuda.max_memory_allocated`` above what was allocated before building.
+  peak of ``torch.cuda.max_memory_allocated`` above what was allocated before building;
+- compiled: ``torch.compile`` (inductor) of the whole project llama on both, step times alternating as
+  above after compiling, and the graphs and graph breaks dynamo made (rank 0);
+- on CUDA only, the same device-memory peak and step time with ``offload_policy=CPUOffloadPolicy()`` on
+  both (sharded parameters, gradients and AdamW state on the host). On CPU the row is skipped, saying
+  so: offloading to the host from the host moves nothing, and RSS cannot tell device memory apart.
 
     python -m experiments.torch_vs_fsdp2     # writes experiments/results/torch_vs_fsdp2.{json,md}
     python -m experiments.torch_vs_fsdp2 --device cuda --world 1 --model llama3.2-1b --dtype bf16 \
@@ -144,7 +149,8 @@ def _plain(name: str) -> torch.nn.Module:
             tie_word_embeddings=False, attn_implementation="sdpa"))
 
 
-def _build(name: str, kind: str, mesh):
+def _build(name: str, kind: str, mesh, offload: bool = False):
+    from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
@@ -155,6 +161,8 @@ def _build(name: str, kind: str, mesh):
     dtypes = (torch.bfloat16, torch.float32) if DTYPE == "bf16" else (None, None)
     ours = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(*dtypes))
     theirs = dict(mesh=mesh, mp_policy=FSDP2Policy(*dtypes))
+    if offload:
+        ours["offload_policy"] = theirs["offload_policy"] = CPUOffloadPolicy()
     if name == "llama" and kind == "ours":
         parallelize(model, **ours)
     elif name == "llama":
@@ -244,16 +252,49 @@ def _timing(name: str, rank: int, mesh, warmup: int, steps: int) -> dict:
     return out
 
 
-def _memory(name: str, kind: str, mesh, steps: int) -> dict:
+def _compiled(rank: int, mesh, warmup: int, steps: int) -> dict:
+    """Both runtimes on the project llama under ``torch.compile``: median step times and graph counts."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    out = {}
+    runs = {}
+    for kind in ("fsdp2", "ours"):
+        torch._dynamo.reset()
+        counters.clear()
+        model, opt = _build("llama", kind, mesh)
+        compiled = torch.compile(model)
+        t0 = time.perf_counter()
+        _step(compiled, opt, 0, rank)  # compiles forward and backward
+        out[kind] = {"compile_step_s": time.perf_counter() - t0, "step_s": [], "losses": [],
+                     "graphs": counters["stats"]["unique_graphs"],
+                     "graph_breaks": sum(counters["graph_break"].values())}
+        runs[kind] = (compiled, opt)
+    for step in range(1, warmup + steps):
+        for kind, (model, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss, _ = _step(model, opt, step, rank)
+            if step >= warmup:
+                out[kind]["step_s"].append(time.perf_counter() - t0)
+            out[kind]["losses"].append(loss)
+    return out
+
+
+def _memory(name: str, kind: str, mesh, steps: int, offload: bool = False) -> dict:
     rank = dist.get_rank()
     if name != "llama":
         _plain(name)  # imports (transformers) before the baseline, so the memory counts the model only
     base = torch.cuda.memory_allocated() if DEVICE == "cuda" else _rss_bytes()
-    model, opt = _build(name, kind, mesh)
+    model, opt = _build(name, kind, mesh, offload)
+    times = []
     for step in range(steps):
+        t0 = time.perf_counter()
         _step(model, opt, step, rank)
+        times.append(time.perf_counter() - t0)
     if DEVICE == "cuda":
-        return {"peak_rss_above_baseline": torch.cuda.max_memory_allocated() - base}
+        return {"peak_rss_above_baseline": torch.cuda.max_memory_allocated() - base,
+                "median_step_s": statistics.median(times[1:])}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"peak_rss_above_baseline": peak - base}
 
@@ -277,8 +318,12 @@ def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: in
 
     _mark_collectives()
     mesh = init_device_mesh(DEVICE, (WORLD,))
-    result = (_timing(name, rank, mesh, warmup, steps) if mode == "timing"
-              else _memory(name, kind, mesh, warmup + steps))
+    if mode == "timing":
+        result = _timing(name, rank, mesh, warmup, steps)
+    elif mode == "compiled":
+        result = _compiled(rank, mesh, warmup, steps)
+    else:
+        result = _memory(name, kind, mesh, warmup + steps, offload=mode == "offload")
     queue.put((rank, result))  # a SimpleQueue: written before put returns
     leave_and_exit()
 
@@ -325,8 +370,59 @@ def _summary(timing: list[dict], memory: dict[str, list[dict]]) -> dict:
     return out
 
 
+def _offload(warmup: int) -> dict:
+    """CPU offload on both runtimes: device-memory peak and step time per rank (CUDA only)."""
+    if DEVICE != "cuda":
+        return {"skipped": "CPU offload is measured on CUDA only: on a CPU run the host is the device, "
+                           "so nothing moves and RSS cannot separate device from host memory"}
+    runs = {kind: _launch("llama", "offload", kind, warmup, 3) for kind in ("fsdp2", "ours")}
+    return {kind: {"peak_device_bytes_per_rank": [r["peak_rss_above_baseline"] for r in res],
+                   "median_step_s": res[0]["median_step_s"]} for kind, res in runs.items()}
+
+
+def _compiled_summary(warmup: int, steps: int) -> dict:
+    r0 = _launch("llama", "compiled", "both", warmup, steps)[0]
+    out = {kind: {"median_step_s": statistics.median(r0[kind]["step_s"]), "graphs": r0[kind]["graphs"],
+                  "graph_breaks": r0[kind]["graph_breaks"], "first_step_s": r0[kind]["compile_step_s"],
+                  "losses": r0[kind]["losses"]} for kind in ("fsdp2", "ours")}
+    out["step_time_ratio_ours_over_fsdp2"] = out["ours"]["median_step_s"] / out["fsdp2"]["median_step_s"]
+    pairs = zip(out["ours"]["losses"], out["fsdp2"]["losses"])
+    out["max_loss_difference"] = max(abs(a - b) for a, b in pairs)
+    return out
+
+
+def _compiled_table(s: dict) -> str:
+    c = s.get("compiled")
+    if c is None:
+        return ""
+    rows = [("median step time", lambda r: f"{r['median_step_s'] * 1e3:.1f} ms"),
+            ("first step (compiling)", lambda r: f"{r['first_step_s']:.1f} s"),
+            ("graphs compiled (unique)", lambda r: str(r["graphs"])),
+            ("graph breaks", lambda r: str(r["graph_breaks"]))]
+    return ("\n## `torch.compile(model)` (inductor), the project llama\n\n| metric | FSDP2 | ours |\n"
+            "|---|---|---|\n" + "".join(f"| {n} | {f(c['fsdp2'])} | {f(c['ours'])} |\n" for n, f in rows)
+            + f"\nStep time ratio (ours / FSDP2): **{c['step_time_ratio_ours_over_fsdp2']:.3f}**; largest "
+            f"loss difference {c['max_loss_difference']:.2e}. The hooks of both run eagerly, outside the "
+            "graphs.\n")
+
+
+def _offload_table(s: dict) -> str:
+    o = s.get("offload")
+    if o is None:
+        return ""
+    if "skipped" in o:
+        return f"\n## CPU offload (`CPUOffloadPolicy()` on both)\n\nSkipped: {o['skipped']}.\n"
+    kinds = ("fsdp2", "ours")
+    peaks = [", ".join(f"{b / 2**20:.2f} MiB" for b in o[k]["peak_device_bytes_per_rank"]) for k in kinds]
+    steps = [f"{o[k]['median_step_s'] * 1e3:.1f} ms" for k in kinds]
+    return ("\n## CPU offload (`CPUOffloadPolicy()` on both)\n\n| metric | FSDP2 | ours |\n|---|---|---|\n"
+            f"| peak device memory per rank | {' | '.join(peaks)} |\n"
+            f"| median step time | {' | '.join(steps)} |\n")
+
+
 def _markdown(s: dict) -> str:
     text = _table(s, "project llama; wraps tok_embeddings, each block, [norm, output], root")
+    text += _compiled_table(s) + _offload_table(s)
     if "hf_llama" in s:
         text += ("\n## HuggingFace LlamaForCausalLM (untied), the same shapes\n\n"
                  + _table(s["hf_llama"], "transformers LlamaForCausalLM (tie_word_embeddings=False, sdpa); "
@@ -386,6 +482,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=SEQ)
     parser.add_argument("--models", default=",".join(MODELS),
                         help="comma-separated subset of: " + ", ".join(MODELS))
+    parser.add_argument("--no-compiled", dest="compiled", action="store_false",
+                        help="skip the torch.compile rows (inductor compiles for minutes on CPU)")
     parser.add_argument("--out", default="torch_vs_fsdp2",
                         help="results file stem, under experiments/results unless it is a path")
     args = parser.parse_args()
@@ -400,6 +498,9 @@ def main() -> None:
         timing = _launch(name, "timing", "both", args.warmup, args.steps)
         memory = {kind: _launch(name, "memory", kind, args.warmup, 3) for kind in ("fsdp2", "ours")}
         summaries[name] = _summary(timing, memory)
+    if args.compiled:
+        summaries["llama"]["compiled"] = _compiled_summary(args.warmup, args.steps)
+    summaries["llama"]["offload"] = _offload(args.warmup)
     summary = summaries["llama"] | {name: summaries[name] for name in summaries if name != "llama"}
     summary["wall_s"] = time.perf_counter() - t0
     out = Path(args.out) if "/" in args.out else RESULTS / args.out

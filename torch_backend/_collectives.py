@@ -56,8 +56,9 @@ class Pending:
 
 
 @contextlib.contextmanager
-def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Run the block on ``stream`` after everything issued so far on the current stream (CPU: as is).
+def side_stream(stream: torch.cuda.Stream | None, after: torch.Event | None = None) -> Iterator[None]:
+    """Run the block on ``stream`` after everything issued so far on the current stream (CPU: as is), or
+    only after ``after`` when given (FSDP2's post-optimizer event).
 
     Buffers allocated inside belong to ``stream``'s pool; since every later entry waits for the current
     stream first, memory freed after use on the current stream is only reused once that use is done.
@@ -65,7 +66,10 @@ def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
     if stream is None:
         yield
         return
-    stream.wait_stream(torch.cuda.current_stream())
+    if after is not None:
+        stream.wait_event(after)
+    else:
+        stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         yield
 

@@ -47,6 +47,7 @@ __all__ = [
     "dt_redistribute",
     "is_view_op",
     "mutates_self",
+    "offset_free",
     "preserve_version_counter",
     "pytree",
     "queue_backward_callback",
@@ -83,6 +84,21 @@ def source_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def set_local_tensor(dt: DTensor, local: torch.Tensor) -> None:
     """Make ``local`` (same shape and dtype) the storage of ``dt`` in place, keeping the object."""
     dt._local_tensor = local
+
+
+def offset_free(dt: DTensor) -> DTensor:
+    """A DTensor over the same local tensor whose wrapper has storage offset 0.
+
+    DTensor's constructor copies its local tensor's storage offset onto the wrapper, whose storage is
+    empty, so a DTensor over a view into a flat shard reports ``data_ptr() != 0``; DCP's async staging
+    then reads the wrapper's (invalid) storage. Built over a memoryless stub of the local's shape (an
+    expanded 0-d tensor, offset 0), then given the real local: the values are the same memory.
+    """
+    local = dt._local_tensor
+    stub = torch.empty((), dtype=local.dtype, device=local.device).expand(local.shape)
+    out = DTensor(stub, dt._spec, requires_grad=False)
+    set_local_tensor(out, local)
+    return out
 
 
 def set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:

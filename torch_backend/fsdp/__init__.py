@@ -8,15 +8,14 @@ from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._dbuffer import DBuffer
 from torch_backend.fsdp._dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
 from torch_backend.fsdp._fully_shard import (
-    FSDPModule,
     GranularityArg,
     clip_grad_norm_,
     fully_shard,
     plan_module,
-    register_fsdp_forward_method,
     units,
     unsharded,
 )
+from torch_backend.fsdp._module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from torch_backend.fsdp._neutral_checkpoint import load_neutral_checkpoint, save_neutral_checkpoint
 from torch_backend.fsdp._unit import Unit, UnitState
 
@@ -27,6 +26,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "Unit",
     "UnitState",
+    "UnshardHandle",
     "clip_grad_norm_",
     "fully_shard",
     "load_dcp_checkpoint",

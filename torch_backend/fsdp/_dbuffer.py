@@ -29,6 +29,7 @@ class DBuffer:
         device: where both buffers live (taken from the mesh by the caller).
         with_shard: False for a buffer only ever used unsharded (gradients before their reduce): its
             ``shard`` is then empty and holds no memory.
+        pin_memory: pin the shard (host buffers of CPU offload, copied to and from an accelerator).
     """
 
     layout: Layout
@@ -37,10 +38,11 @@ class DBuffer:
     full: torch.Tensor  # 1D [world_size * shard_size], storage allocated only while unsharded
 
     def __init__(self, layout: Layout, rank: int, dtype: torch.dtype, device: torch.device,
-                 with_shard: bool = True) -> None:
+                 with_shard: bool = True, pin_memory: bool = False) -> None:
         self.layout = layout
         self.rank = rank
-        self.shard = torch.zeros(layout.shard_size if with_shard else 0, dtype=dtype, device=device)
+        self.shard = torch.zeros(layout.shard_size if with_shard else 0, dtype=dtype, device=device,
+                                 pin_memory=pin_memory)
         self.full = torch.empty(layout.total_numel, dtype=dtype, device=device)
         self._pieces = {p.name: p for p in layout.local_pieces(rank)}
         self._full_views = {t.name: self.full[t.offset:t.end].view(t.shape) for t in layout.tensors}
@@ -115,10 +117,10 @@ class DBuffer:
         """Add a flat shard (``shard_size`` elements) into this one."""
         self.shard.add_(other)
 
-    def copy_(self, other: torch.Tensor) -> None:
-        """Copy (or cast) a flat shard of ``shard_size`` elements into this one."""
+    def copy_(self, other: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy (or cast, or move across devices) a flat shard of ``shard_size`` elements into this one."""
         record_copy(self.shard, other)
-        self.shard.copy_(other)
+        self.shard.copy_(other, non_blocking=non_blocking)
 
     def norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The ``norm_type`` vector norm of every tensor of the unit held here, in one kernel."""

@@ -6,139 +6,44 @@ Imports flow one way: api, debug, collectives, dbuffer, unit, hooks, fully_shard
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.tensor import DTensor, Shard
 
 import ragged
 from ragged import Granularity, GranularityRule, Layout, TensorSpec
 from torch_backend._collectives import all_reduce
-from torch_backend._torch_internals import source_mesh
-from torch_backend.fsdp._api import MixedPrecisionPolicy
-from torch_backend.fsdp._hooks import FSDPState, state_of, states_under
+from torch_backend._torch_internals import offset_free, source_mesh
+from torch_backend.fsdp._api import as_mp_policy, offloads_to_cpu
+from torch_backend.fsdp._hooks import EmbeddingRenorm, FSDPState, states_under
+from torch_backend.fsdp._module import FSDPModule
 from torch_backend.fsdp._unit import ParamRef, Unit
 
 GranularityArg = GranularityRule | Granularity | int | str | None
 
 
-class FSDPModule:
-    """The mixin ``fully_shard`` adds to a module's class: FSDP2's methods on the sharded module.
-
-    ``model.parameters()`` yields the sharded parameters (RaggedShard DTensors viewing the unit's local
-    shard) outside forward and backward; the optimizer steps them in place.
-    """
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's unit and register its unsharded parameters.
-
-        Args:
-            async_op: return a handle whose ``wait()`` finishes the all-gather instead of waiting.
-        """
-        unit = state_of(self).unit
-        if unit is None:
-            return None
-        unit.unshard(async_op=async_op)
-        return UnshardHandle(unit) if async_op else None
-
-    def reshard(self) -> None:
-        """Free this unit's unsharded buffer and register the sharded parameters again."""
-        unit = state_of(self).unit
-        if unit is not None:
-            unit.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """With False, backward keeps accumulating unsharded gradients and does not reduce them.
-
-        The next backward with True reduces everything accumulated since the last reduce (gradient
-        accumulation over micro-batches with one reduce-scatter per unit).
-        """
-        for state in states_under([self], recurse):
-            if state.unit is not None:
-                state.unit.requires_grad_sync = requires_gradient_sync
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        """``to_empty``, ``to``, ``float()``...: keep every sharded parameter a view into its unit's shard.
-
-        ``nn.Module._apply`` gives each DTensor parameter new local tensors; as in FSDP2, the unit then
-        takes their values back into its flat shard (on the new device or dtype, if they changed).
-        """
-        self.reshard()
-        ret = super()._apply(*args, **kwargs)
-        unit = state_of(self).unit
-        if unit is not None:
-            unit.adopt_sharded()
-        return ret
-
-    def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
-        """All-gather ``modules``' units (asynchronously) when this module's forward starts."""
-        state_of(self).forward_prefetch = [_checked_state(m, "set_modules_to_forward_prefetch")
-                                           for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
-        """All-gather ``modules``' units (asynchronously) when this module's backward starts."""
-        state_of(self).backward_prefetch = [_checked_state(m, "set_modules_to_backward_prefetch")
-                                            for m in modules]
-
-
-class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
-
-    def __init__(self, unit: Unit) -> None:
-        self._unit = unit
-
-    def wait(self) -> None:
-        self._unit.wait_for_unshard()
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Run ``module.<method_name>`` (e.g. ``generate``) through the unit's forward hooks, as FSDP2 does.
-
-    Only ``forward`` calls run the hooks that all-gather the parameters; any other method would see the
-    sharded ones. Does nothing if ``module`` is not sharded (FSDP2's behaviour).
-    """
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method "
-                         f"{method_name!r}")
-    method = getattr(module, method_name).__func__
-    state = state_of(module)
-
-    @functools.wraps(method)
-    def through_hooks(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(self, args, kwargs)
-        return state.post_forward(self, args, method(self, *args, **kwargs))
-
-    setattr(module, method_name, through_hooks.__get__(module))
-
-
-def _checked_state(module: nn.Module, where: str) -> FSDPState:
-    if not isinstance(module, FSDPModule):
-        raise TypeError(f"{where}: {type(module).__name__} is not sharded; call fully_shard on it first")
-    return state_of(module)
-
-
-def _managed(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+def _managed(modules: Sequence[nn.Module], ignored: frozenset[int] = frozenset()
+             ) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
     """``(name, owner, attr, param)`` for the parameters a new unit over ``modules`` would manage.
 
     The order is ``named_parameters()``'s; parameters of submodules already sharded are left to their
     own unit. A parameter registered several times (tied weights) is taken once, named by its first
-    use; ``_shared_uses`` finds the others. Names are relative to each module, with the module's index
-    in front when several are given.
+    use; ``_uses`` finds the others. Names are relative to each module, with the module's index
+    in front when several are given. Parameters whose ``id`` is in ``ignored`` are left alone.
     """
-    return [(name, owner, attr, p) for name, owner, attr, p in _uses(modules) if name is not None]
+    return [(name, owner, attr, p) for name, owner, attr, p in _uses(modules, ignored) if name is not None]
 
 
-def _uses(modules: Sequence[nn.Module]) -> list[tuple[str | None, nn.Module, str, nn.Parameter]]:
-    """Every ``(name, module, attr, param)`` registration under ``modules`` outside sharded submodules;
-    the name is None for a parameter already seen."""
+def _uses(modules: Sequence[nn.Module], ignored: frozenset[int] = frozenset()
+          ) -> list[tuple[str | None, nn.Module, str, nn.Parameter]]:
+    """Every ``(name, module, attr, param)`` registration under ``modules`` outside sharded submodules
+    and ``ignored``; the name is None for a parameter already seen."""
     out: list[tuple[str | None, nn.Module, str, nn.Parameter]] = []
     seen: set[int] = set()
     visited: set[int] = set()
@@ -148,6 +53,8 @@ def _uses(modules: Sequence[nn.Module]) -> list[tuple[str | None, nn.Module, str
             return
         visited.add(id(m))
         for attr, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            if id(p) in ignored:
+                continue
             out.append((None if id(p) in seen else prefix + attr, m, attr, p))
             seen.add(id(p))
         for child_name, child in m.named_children():
@@ -179,7 +86,8 @@ def _fqns(root: nn.Module) -> dict[int, str]:
 
 
 def plan_module(module_or_modules: nn.Module | Sequence[nn.Module], world_size: int,
-                granularity: GranularityArg = None, *, root: nn.Module | None = None) -> Layout:
+                granularity: GranularityArg = None, *, root: nn.Module | None = None,
+                ignored_params: set[nn.Parameter] | None = None) -> Layout:
     """Plan the unit ``fully_shard(module_or_modules)`` would build, without any process group.
 
     Pure and deterministic: the tensors are the parameters the unit would manage, in
@@ -196,6 +104,7 @@ def plan_module(module_or_modules: nn.Module | Sequence[nn.Module], world_size: 
         root: when given, tensors are named by their FQN under ``root`` and the Layout by the FQN of
             the last module (``"output"`` for ``[model.norm, model.output]``); otherwise names are
             relative to the module (prefixed by the list index for a list).
+        ignored_params: parameters left out of the unit (``fully_shard``'s argument of the same name).
 
     Returns:
         The unit's Layout.
@@ -205,7 +114,7 @@ def plan_module(module_or_modules: nn.Module | Sequence[nn.Module], world_size: 
         ragged.GranularityError / PlanningError: a granularity that does not divide its parameter.
     """
     modules = _as_list(module_or_modules)
-    params = _managed(modules)
+    params = _managed(modules, _ids(ignored_params))
     names = [name for name, *_ in params]
     unit_name = ""
     if root is not None:
@@ -259,7 +168,7 @@ def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> None:
                          f"{mesh.ndim}-D mesh {tuple(mesh.shape)}")
     _check_mesh_covers(mesh)
     for m in modules:
-        if isinstance(m, FSDPModule):
+        if isinstance(m, TorchFSDPModule):  # ours or FSDP2's
             raise ValueError(f"fully_shard: {type(m).__name__} is already sharded; call fully_shard once per "
                              "module")
     for name, _, _, p in params:
@@ -277,7 +186,10 @@ def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> None:
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+                mp_policy: object = None, offload_policy: object = None,
+                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims: object = None,
                 granularity: GranularityArg = None) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` as one unit with a planned, zero-copy flat buffer.
 
@@ -288,21 +200,32 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     after forward they are freed when ``reshard_after_forward``. In backward, gradients accumulate into
     an unsharded gradient buffer; one reduce-scatter writes the local gradient shard, which the sharded
     parameters' ``.grad`` view (HSDP: then one all-reduce across replicas). The next unit is prefetched.
-    Call it bottom-up (each layer, then the root), as with FSDP2.
+    Call it bottom-up (each layer, then the root), as with FSDP2. The keywords are FSDP2's (torch 2.11
+    to 2.13), plus ``granularity``.
 
     Args:
         module: a module, or a list of modules sharded as one unit (e.g. ``[model.norm, model.output]``).
         mesh: a 1-D mesh or a 2-D ``(replicate, shard)`` mesh for HSDP; default: every rank of the default
             process group on its device type.
-        reshard_after_forward: free the unsharded parameters after forward (all-gather again in backward).
-        mp_policy: ``MixedPrecisionPolicy`` (param and reduce dtypes); default: none.
+        reshard_after_forward: free the unsharded parameters after forward (all-gather again in
+            backward); None (default): True for every unit but the root. An int ``N`` is FSDP2's group
+            size to reshard to: each rank keeps 1/N of the unsharded unit after forward and backward
+            gathers it over N consecutive ranks (1 means False, the shard dim's size True).
+        shard_placement_fn: FSDP2's per-parameter placement: ``None`` or ``Shard(0)`` (whole rows; the
+            planner's default granularity, or ``granularity``) are accepted; ``Shard(d)`` for ``d > 0``
+            and per-parameter meshes raise (see docs/fully_shard.md).
+        mp_policy: ``MixedPrecisionPolicy``, ours or ``torch.distributed.fsdp``'s; default: none.
+        offload_policy: torch's ``OffloadPolicy()`` (default) or ``CPUOffloadPolicy(pin_memory=...)``.
+        ignored_params: parameters left out of the unit: not sharded, not moved, never reduced.
+        dp_mesh_dims: FSDP2's SPMD mesh (torch 2.13); not supported (raises when given).
         granularity: see ``plan_module`` (default: whole rows of matrices, 1-D element-wise).
 
     Returns:
         ``module``, its class extended with ``FSDPModule`` (each module of a list).
 
     Raises:
-        ValueError / TypeError: bad module, mesh or parameters, raised on every rank before communicating.
+        ValueError / TypeError / NotImplementedError: bad module, mesh, option or parameters, raised on
+        every rank before communicating.
 
     Example:
         >>> for layer in model.layers:
@@ -311,26 +234,120 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         >>> fully_shard(model, mesh=mesh)
     """
     modules = _as_list(module)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard: dp_mesh_dims (FSDP2's SPMD mesh, whose parameters are "
+                                  "already DTensors) is not supported: pass plain parameters and the "
+                                  "data-parallel mesh (1-D, or 2-D (replicate, shard) for HSDP)")
     mesh = mesh or _default_mesh()
-    params = _managed(modules)
+    ignored = _ids(ignored_params)
+    params = _managed(modules, ignored)
     _check(modules, params, mesh)
+    reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh)
+    _check_placements(shard_placement_fn, params)
+    mp_policy = as_mp_policy(mp_policy)
+    offload, pin_memory = offloads_to_cpu(offload_policy)
     unit = None
     if params:
-        layout = plan_module(modules, mesh.size(mesh.ndim - 1), granularity)
+        layout = plan_module(modules, mesh.size(mesh.ndim - 1), granularity, ignored_params=ignored_params)
         shared: dict[int, list[tuple[nn.Module, str]]] = {}
-        for name, owner, attr, p in _uses(modules):
+        for name, owner, attr, p in _uses(modules, ignored):
             if name is None:
                 shared.setdefault(id(p), []).append((owner, attr))
         refs = [ParamRef(n, owner, attr, tuple(shared.get(id(p), ()))) for n, owner, attr, p in params]
-        unit = Unit(layout.name, layout, refs, [p for *_, p in params], mesh,
-                    mp_policy or MixedPrecisionPolicy())
-    FSDPState(tuple(modules), unit, reshard_after_forward)  # hooks the modules and attaches to them
+        unit = Unit(layout.name, layout, refs, [p for *_, p in params], mesh, mp_policy,
+                    offload=offload, pin_memory=pin_memory)
+        if not isinstance(reshard_after_forward, bool | None):
+            group, index = _post_forward_group(mesh, reshard_after_forward)
+            unit.set_post_forward_group(group, index, reshard_after_forward)
+    state = FSDPState(tuple(modules), unit, reshard_after_forward, mp_policy)  # hooks and attaches to them
+    if unit is not None:
+        owners = {id(owner): owner for _, owner, _, _ in _uses(modules, ignored)}.values()
+        state.renorms = [EmbeddingRenorm(m, unit.device) for m in owners
+                         if isinstance(m, nn.Embedding) and m.max_norm is not None]
+    for sub in (s for m in modules for s in m.modules()):  # FSDP2's flags for dynamo: parameters are graph
+        sub._is_fsdp_managed_module = sub._fsdp_use_orig_params = True  # inputs (swapped at each (un)shard)
     for m in modules:
-        cls = m.__class__
-        m.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        m.register_state_dict_post_hook(_offset_free_values)
+        m.__class__ = _sharded_class(m.__class__)
     for top in modules:
         _name_units(top)
     return module
+
+
+def _offset_free_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict values of sharded parameters as DTensors whose wrapper has storage offset 0.
+
+    Their locals are views into the unit's flat shard; DCP's async staging (``dcp.async_save``) reads a
+    DTensor wrapper's storage when its offset is not 0 (see ``offset_free``). Same memory, no copy.
+    """
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, DTensor) and value.storage_offset() != 0:
+            state_dict[key] = offset_free(value)
+
+
+# One sharded class per original class, as FSDP2 keeps (its ``cls_to_fsdp_cls``): identical blocks share
+# a type, so torch.compile reuses one graph for all of them instead of recompiling per block.
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _SHARDED_CLASSES[cls]
+
+
+def _ids(params: set[nn.Parameter] | None) -> frozenset[int]:
+    return frozenset(id(p) for p in params or ())
+
+
+def _resolve_reshard_after_forward(value: bool | int | None, mesh: DeviceMesh) -> bool | int | None:
+    """FSDP2's rules: a bool or None as is; an int is a group size to reshard to after forward."""
+    if value is None or isinstance(value, bool):
+        return value
+    shard_size = mesh.size(mesh.ndim - 1)
+    if not isinstance(value, int) or value < 1 or shard_size % value:
+        raise ValueError(f"fully_shard: reshard_after_forward should be a bool or an int that divides the "
+                         f"shard dim's size {shard_size}, not {value!r}")
+    if value in (1, shard_size):
+        return value == shard_size  # FSDP2: 1 keeps the whole unit (False), the full size reshards (True)
+    if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward={value} needs a mesh over every rank of the process group "
+            "(its groups are built by every rank alike); this mesh was cut from a larger one")
+    return value
+
+
+def _post_forward_group(mesh: DeviceMesh, size: int) -> tuple[dist.ProcessGroup, int]:
+    """FSDP2's post-forward mesh: the shard dim's ranks in consecutive groups of ``size``; this rank's
+    group and its index there."""
+    groups = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
+    return groups.get_group(1), groups.get_local_rank(1)
+
+
+def _check_placements(shard_placement_fn: Callable[[nn.Parameter], object] | None, params: list) -> None:
+    """FSDP2's ``shard_placement_fn`` where the ragged layout can honor it, a clear error otherwise.
+
+    ``Shard(0)`` cuts a parameter between rows, which is what the planner's default granularity does
+    (shards are ragged rather than padded, the same arithmetic); ``Shard(d)`` for a later dim gives each
+    rank a strided slice (every row's d-th block), which is not a contiguous run of the flat buffer.
+    """
+    if shard_placement_fn is None:
+        return
+    for name, _, _, p in params:
+        placement = shard_placement_fn(p)
+        if placement is None:
+            continue
+        if not isinstance(placement, Shard):
+            raise NotImplementedError(
+                f"fully_shard: shard_placement_fn returned {placement!r} for parameter {name!r}; only None "
+                "or Shard(0) are supported (a per-parameter mesh would split the unit's one flat buffer over "
+                "several meshes; shard such parameters in their own fully_shard call on that mesh)")
+        if placement.dim not in (0, -p.ndim) and math.prod(p.shape[:placement.dim % p.ndim]) != 1:
+            raise NotImplementedError(
+                f"fully_shard: shard_placement_fn returned {placement} for parameter {name!r} of shape "
+                f"{tuple(p.shape)}: each rank's piece of a parameter is a contiguous run of its flattened "
+                f"elements (whole rows by default), and Shard({placement.dim}) would give each rank a "
+                "strided slice of every row; return Shard(0) or None, or use granularity= for finer blocks")
 
 
 def _name_units(top: nn.Module) -> None:
@@ -388,10 +405,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     live = [u for u in units(module) if any(p.grad is not None for p in u.sharded)]
     if not live:
         return torch.zeros(())
-    total = torch.stack([u.main_grad.norm(norm_type) ** norm_type for u in live]).sum()
+    # On the collectives' device (offloaded gradients live on the host, NCCL reduces device tensors).
+    total = torch.stack([u.main_grad.norm(norm_type).to(live[0].device) ** norm_type for u in live]).sum()
     all_reduce(total, live[0].shard_group, label="clip_grad_norm_").wait()
     total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for u in live:
-        u.main_grad.scale_(coef)
+        u.main_grad.scale_(coef.to(u.main_grad.shard.device))
     return total

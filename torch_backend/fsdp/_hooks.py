@@ -22,7 +22,7 @@ together, before the first mismatched collective, when their data took them down
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch import nn
 
 from torch_backend._collectives import all_reduce
 from torch_backend._torch_internals import pytree, queue_backward_callback
+from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._unit import Unit
 
 # The ranks agree on each unit event before it communicates: one 2-int all-reduce per unit and event (3
@@ -41,21 +42,39 @@ FORWARD, BACKWARD, REDUCE = range(3)
 _EVENTS = ("forward", "backward", "reduce-scatter")
 
 
+def _eager(fn: Callable) -> Callable:
+    """``fn`` as a hook that runs eagerly when a ``torch.compile``'d model calls it, as FSDP2's hooks do.
+
+    A dynamo-disabled function registered as the module hook itself: dynamo then runs it outside the
+    graph without breaking it (a Python wrapper around it would be traced and break the graph at each
+    call). Dynamo is imported here, at the first ``fully_shard``, not when the package is imported.
+    """
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class FSDPState:
     """The hooks of one ``fully_shard`` call: its modules, its unit (None without parameters), prefetch."""
 
     modules: tuple[nn.Module, ...]
     unit: Unit | None
-    reshard_after_forward: bool
+    reshard_after_forward: bool | int | None  # None: FSDP2's default (all but the root); int: group size
+    unshard_in_backward: bool  # False: backward never gathers the unit (its weights are not read there)
+    mp_policy: MixedPrecisionPolicy  # casts of the forward's inputs and outputs
     forward_prefetch: list[FSDPState] | None  # explicit targets; None: the next unit of the last step
     backward_prefetch: list[FSDPState] | None  # explicit targets; None: the previous unit in forward order
     root: RootContext | None  # set at the first forward of the root
+    pre_forward_hook: Callable  # pre_forward and post_forward as registered: eager under torch.compile
+    post_forward_hook: Callable
 
     def __init__(self, modules: tuple[nn.Module, ...], unit: Unit | None,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool | int | None,
+                 mp_policy: MixedPrecisionPolicy) -> None:
         self.modules = modules
         self.unit = unit
         self.reshard_after_forward = reshard_after_forward
+        self.unshard_in_backward = True
+        self.mp_policy = mp_policy
+        self.renorms: list[EmbeddingRenorm] = []  # the unit's nn.Embedding(max_norm=...) modules
         self.forward_prefetch = None
         self.backward_prefetch = None
         self.root = None
@@ -65,9 +84,14 @@ class FSDPState:
         self._inputs_pending = 0  # forwards whose inputs have not received their gradients yet
         if unit is not None:
             unit.post_backward_callback = self._maybe_post_backward
+        # The hooks run eagerly under torch.compile, as FSDP2's do: dynamo would otherwise trace the
+        # collectives, the storage resizes and the bookkeeping into every graph.
+        self.pre_forward_hook = _eager(self.pre_forward)
+        self.post_forward_hook = _eager(self.post_forward)
+        self._pre_backward_hook = _eager(self._pre_backward)
         for m in modules:
-            m.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-            m.register_forward_hook(self.post_forward)
+            m.register_forward_pre_hook(self.pre_forward_hook, prepend=True, with_kwargs=True)
+            m.register_forward_hook(self.post_forward_hook)
             m._fsdp_state = self
 
     @property
@@ -80,6 +104,9 @@ class FSDPState:
             RootContext(self)
         if self.is_root and self._modules_left == 0:
             self.root.begin_forward()
+        policy = self.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         if torch.is_grad_enabled() and not self.root.in_backward:
             args, kwargs = self._watch_inputs(args, kwargs)
         if self._modules_left > 0:  # a later module of the same group: already unsharded
@@ -88,7 +115,7 @@ class FSDPState:
         if not self.root.in_backward:
             self.root.ran_forward(self, torch.is_grad_enabled())
         if self.unit is not None:
-            self.unit.unshard()
+            self.unit.unshard(after=self.root.take_post_optim_event())
         targets = self.forward_prefetch
         if targets is None:
             targets = self.root.next_in(self.root.last_forward_order, self, +1)
@@ -129,11 +156,18 @@ class FSDPState:
         leaves = pytree.tree_leaves(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
         self._modules_left -= 1
-        if self._modules_left == 0 and self.unit is not None and self.reshard_after_forward \
-                and not self.is_root:  # the root's backward starts at once: keep it unsharded
-            self.unit.reshard()
+        reshard = self.reshard_after_forward
+        if reshard is None:
+            reshard = not self.is_root  # the root's backward starts at once: keep it unsharded
+        if self._modules_left == 0:
+            for renorm in self.renorms:  # every rank: the unit's forward ran on every rank
+                renorm.sync(self.unit)
+        if self._modules_left == 0 and self.unit is not None and reshard:
+            self.unit.reshard(to_group=not isinstance(reshard, bool))  # an int: FSDP2's group size
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
 
     # ----- backward --------------------------------------------------------------------------------
@@ -141,24 +175,34 @@ class FSDPState:
         if self._backward_started:
             return
         self._backward_started = True
-        self.root.begin_backward()
+        if torch.is_grad_enabled():  # create_graph=True: a gradient penalty's inner autograd.grad
+            self.root.begin_graph_backward()
+        else:
+            self.root.begin_backward()
         if self.unit is not None:
             self.root.agree(BACKWARD, self)
-            self.unit.unshard()
+            if self.unshard_in_backward:
+                self.unit.unshard()
         targets = self.backward_prefetch
         if targets is None:
             targets = self.root.next_in(self.root.forward_order, self, -1)
         for t in targets:
-            if t.unit is not None and not t._backward_started:
+            if t.unit is not None and not t._backward_started and t.unshard_in_backward:
                 t.unit.unshard(async_op=True)
 
     def post_backward(self) -> None:
         """This unit's backward is over on this rank: reshard, and reduce when its turn comes."""
-        if self.unit is None or self._backward_done:
-            return
+        if self.unit is None or self._backward_done or self.root.defer_reduces:
+            return  # deferred: the end of backward reduces every unit (gradients come from two graphs)
         self._backward_done = True
-        self.unit.reshard()
+        if self.unit.reshard_after_backward:
+            self.unit.reshard()
         self.root.reduce_ready()
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Every floating-point tensor in ``tree`` cast to ``dtype`` (FSDP2's input and output casts)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -175,6 +219,38 @@ def states_under(modules: Sequence[nn.Module], recurse: bool = True) -> list[FSD
             if s is not None:
                 seen.setdefault(id(s), s)
     return list(seen.values())
+
+
+class EmbeddingRenorm:
+    """``nn.Embedding(max_norm=...)`` in a unit renorms, in place, the rows used in any rank's forward.
+
+    The module renorms the rows its own rows of the batch use, in the unsharded weight; single-process
+    training renorms every row the whole batch uses. A pre-hook records the rows used here; once the
+    unit's forward is done, one MAX all-reduce of the used-row mask (num_embeddings ints) tells every
+    rank which rows some rank used, and each renorms the ones it did not use itself, so every rank holds
+    the single-process weight and keeps its slice of it when resharding (a write the version counter
+    shows). Rows renormed here are not renormed twice (a second renorm would round differently).
+    """
+
+    def __init__(self, module: nn.Embedding, device: torch.device) -> None:
+        self.module = module
+        self.used = torch.zeros(module.num_embeddings, dtype=torch.int32, device=device)
+        module.register_forward_pre_hook(_eager(self._record))
+
+    def _record(self, module: nn.Embedding, args: tuple) -> None:
+        self.used[args[0].reshape(-1).to(self.used.device)] = 1
+
+    @torch.no_grad()
+    def sync(self, unit: Unit) -> None:
+        union = self.used.clone()
+        for group in (unit.shard_group, unit.replicate_group):
+            if group is not None:
+                all_reduce(union, group, label=f"max_norm rows of {unit.name}", op=dist.ReduceOp.MAX).wait()
+        rows = ((union > 0) & (self.used == 0)).nonzero().squeeze(1)
+        m = self.module
+        if rows.numel():
+            torch.embedding_renorm_(m.weight, rows.to(m.weight.device), m.max_norm, m.norm_type)
+        self.used.zero_()
 
 
 class _InputsDone(torch.autograd.Function):
@@ -224,11 +300,16 @@ class RootContext:
         self.forward_order: list[FSDPState] = []
         self.last_forward_order: list[FSDPState] = []
         self.in_backward = False
+        # A backward with create_graph=True ran this step (double backward): the step's backward then also
+        # runs the graph it built, whose gradients may land after a unit's inputs are done, so every unit
+        # stays unsharded and is reduced at the end of that backward, in the usual order.
+        self.defer_reduces = False
+        self.post_optim_event: torch.Event | None = None  # set_post_optim_event: the next gather waits on it
         self._trained: list[FSDPState] = []  # units that ran forward with grad enabled, first call first
         self._to_reduce: list[FSDPState] = []  # this backward's reduce order, not yet issued
         self._reducing: list[Unit] = []
         self._reduced: list[Unit] = []
-        device = next((s.unit.master.shard.device for s in self.states if s.unit is not None), None)
+        device = next((s.unit.device for s in self.states if s.unit is not None), None)
         cuda = device is not None and device.type == "cuda"
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
         for s in self.states:
@@ -244,6 +325,11 @@ class RootContext:
         i = order.index(state) + step
         return [order[i]] if 0 <= i < len(order) else []
 
+    def take_post_optim_event(self) -> torch.Event | None:
+        """The event ``set_post_optim_event`` gave, once (the step's first all-gather waits on it)."""
+        event, self.post_optim_event = self.post_optim_event, None
+        return event
+
     def begin_forward(self) -> None:
         if self.in_backward:  # a forward (e.g. recomputation) inside backward keeps the order
             return
@@ -255,6 +341,7 @@ class RootContext:
             self.last_forward_order = self.forward_order
         self.forward_order = []
         self._trained = []
+        self.defer_reduces = False
         for s in self.states:
             s._inputs_pending = 0  # a forward whose backward never ran (e.g. evaluation with grads on)
 
@@ -277,7 +364,7 @@ class RootContext:
             return
         unit = state.unit
         code = event * len(self.states) + self.states.index(state)
-        seen = torch.tensor([code, -code], dtype=torch.int64, device=unit.master.shard.device)
+        seen = torch.tensor([code, -code], dtype=torch.int64, device=unit.device)
         for group in (unit.shard_group, unit.replicate_group):
             if group is not None:
                 all_reduce(seen, group, label=f"{_EVENTS[event]} of {unit.name} (check)",
@@ -297,6 +384,22 @@ class RootContext:
     def _event(self, code: int) -> str:
         event, index = divmod(code, len(self.states))
         return f"the {_EVENTS[event]} of unit {self.states[index].unit.name!r}"
+
+    def begin_graph_backward(self) -> None:
+        """A backward that builds a graph (``autograd.grad(..., create_graph=True)``) starts.
+
+        It only unshards (its graph keeps the unsharded parameters): no reduce, no reshard, no gradient
+        given out; the units stay unsharded until the end of the step's backward.
+        """
+        if not self.in_backward:
+            self.in_backward = True
+            self.defer_reduces = True
+            queue_backward_callback(self._end_graph_backward)
+
+    def _end_graph_backward(self) -> None:
+        self.in_backward = False
+        for s in self.states:  # the step's backward runs every unit's pre-backward again
+            s._backward_started = False
 
     def begin_backward(self) -> None:
         if not self.in_backward:
@@ -339,7 +442,7 @@ class RootContext:
         self.finish_reduces()
         self._give_gradients()
         self.end_step()
-        self.in_backward = False
+        self.in_backward = self.defer_reduces = False
         for s in self.states:
             s._backward_started = False
             s._backward_done = False
@@ -351,12 +454,14 @@ class RootContext:
         for unit in self._reduced:
             by_groups.setdefault((unit.shard_group, unit.replicate_group), []).append(unit)
         for (shard_group, replicate_group), units in by_groups.items():
-            masks = [u.landed_mask() for u in units]
-            used = torch.cat(masks)
+            used = torch.zeros(sum(len(u.refs) for u in units), dtype=torch.int32, device=units[0].device)
+            parts = used.split([len(u.refs) for u in units])  # each unit writes its view: no concatenation
+            for u, part in zip(units, parts):
+                u.landed_mask(part)
             for group in (shard_group, replicate_group):
                 if group is not None:
                     all_reduce(used, group, label="landed gradients", op=dist.ReduceOp.MAX).wait()
-            for u, part in zip(units, used.split([len(m) for m in masks])):
+            for u, part in zip(units, parts):
                 u.end_backward(part)
         for s in self.states:
             if s.unit is not None and s.unit not in self._reduced:
@@ -364,8 +469,23 @@ class RootContext:
         self._reduced = []
 
     def end_step(self) -> None:
-        """Reshard every unit (after backward, or after a forward that had no backward)."""
+        """Reshard every unit (after backward, or after a forward that had no backward), except those
+        told to stay unsharded after backward (``set_reshard_after_backward(False)``)."""
         self.finish_reduces()
         for s in self.states:
-            if s.unit is not None:
+            if s.unit is not None and s.unit.reshard_after_backward:
                 s.unit.reshard()
+
+    def reset(self) -> None:
+        """``reset_iter_state``: after a forward or backward raised, forget the step and reshard.
+
+        Waits for issued collectives (their errors are dropped: the step is discarded anyway), drops
+        every gradient of the failed step, including unsynced accumulation and HSDP partial sums.
+        """
+        for s in self.states:
+            if s.unit is not None:
+                s.unit.discard_step()
+            s._modules_left = s._inputs_pending = 0
+            s._backward_started = s._backward_done = False
+        self._to_reduce, self._reducing, self._reduced, self._trained = [], [], [], []
+        self.in_backward = self.defer_reduces = False

@@ -13,9 +13,11 @@ from __future__ import annotations
 import enum
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -37,6 +39,9 @@ from torch_backend.placement import RaggedShard, make_dtensor
 class UnitState(enum.Enum):
     SHARDED = "sharded"  # only local shards exist; the modules hold the sharded DTensor parameters
     UNSHARDED = "unsharded"  # the unsharded buffer is filled; the modules hold the views into it
+    # reshard_after_forward=N: this rank keeps its 1/N of the unsharded buffer, gathered back over a group
+    # of N ranks in backward; the modules hold the sharded parameters
+    GROUPED = "grouped"
 
 
 @dataclass(frozen=True)
@@ -83,22 +88,34 @@ class Unit:
         params: the original parameters, in layout order (meta tensors are allowed: no values copied).
         mesh: a 1-D mesh (FSDP) or a 2-D mesh ``(replicate, shard)`` (HSDP).
         mp_policy: mixed precision policy.
+        offload: FSDP2's CPU offload: the sharded parameters and gradients (so the optimizer state and
+            step) live on the host; the all-gather input is copied to the device, the reduced shard back.
+        pin_memory: pin the host buffers (only where the mesh is an accelerator's: host memory is all a
+            CPU mesh has).
     """
 
     name: str
     layout: Layout
     state: UnitState
-    master: DBuffer  # master dtype; shard = the sharded weights
-    compute: DBuffer  # compute dtype (``master`` itself without mixed precision); full = unsharded weights
+    device: torch.device  # where the collectives and the compute buffers live (the mesh's device)
+    master: DBuffer  # master dtype; shard = the sharded weights (on the host when offloading)
+    compute: DBuffer  # compute dtype on ``device`` (``master`` itself without mixed precision or offload);
+    #                   full = unsharded weights
     grads: DBuffer  # compute dtype; full = unsharded gradients (no shard)
     reduce: DBuffer  # reduce dtype (``grads`` itself when equal); full = reduce-scatter input (no shard)
-    main_grad: DBuffer  # master dtype; shard = the sharded gradients
-    requires_grad_sync: bool
+    main_grad: DBuffer  # master dtype, beside ``master``; shard = the sharded gradients
+    requires_grad_sync: bool  # reduce this backward's gradients (False: keep accumulating them unsharded)
+    requires_all_reduce: bool  # HSDP: all-reduce over the replicas (False: keep the partial sum, no .grad)
+    reshard_after_backward: bool  # False: stay unsharded after backward (the next forward gathers nothing)
+    gradient_divide_factor: float | None  # the reduced sum is divided by it (None: the mesh size)
+    all_reduce_hook: Callable[[torch.Tensor], None] | None  # called on the reduced shard (FSDP2's hook)
+    reduce_group: dist.ProcessGroup  # the reduce-scatter's group: the shard group or a copy of it
     ag_stream: torch.cuda.Stream | None  # set by the root on CUDA
     rs_stream: torch.cuda.Stream | None
 
     def __init__(self, name: str, layout: Layout, refs: list[ParamRef], params: list[nn.Parameter],
-                 mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+                 mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, *, offload: bool = False,
+                 pin_memory: bool = False) -> None:
         self.name = name
         self.layout = layout
         self.refs = refs
@@ -108,13 +125,22 @@ class Unit:
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.world = mesh.size()  # gradients are averaged over every rank of the mesh
         self.mp_policy = mp_policy
+        self.device = mesh_device(mesh)
+        self.offload = offload
+        self._pin = pin_memory and offload and self.device.type != "cpu"
         self.original_uids = tuple(_uid(p) for p in params)  # per ref: FSDP2 allows one unit per parameter
-        self.requires_grad_sync = True
+        self.requires_grad_sync = self.requires_all_reduce = self.reshard_after_backward = True
+        self.gradient_divide_factor = self.all_reduce_hook = None
+        self.reduce_group = self.shard_group
+        self.post_forward_group: dist.ProcessGroup | None = None  # reshard_after_forward=N's group
+        self._group_index = self._group_size = 0
+        self._grouped: torch.Tensor | None = None  # 1-D [total / N]: this rank's part in GROUPED state
+        self._partial: torch.Tensor | None = None  # HSDP sum of reduce-scatters not all-reduced yet
         self.ag_stream = self.rs_stream = None
         self.state = UnitState.SHARDED
         self._placements = [([Replicate()] if mesh.ndim == 2 else [])
                             + [RaggedShard.from_core(layout.placement(ref.name))] for ref in refs]
-        self._build_buffers(params[0].dtype, mesh_device(mesh))
+        self._build_buffers(params[0].dtype, self.device)
         self.sharded: list[nn.Parameter] = []
         for ref, orig, placements in zip(refs, params, self._placements):
             if not orig.is_meta:
@@ -139,17 +165,23 @@ class Unit:
         self.post_backward_callback = None  # set by the hooks: called when all gradients landed
 
     def _build_buffers(self, master_dtype: torch.dtype, device: torch.device) -> None:
-        """(Re)create every DBuffer, the unsharded parameters and the sharded gradient views."""
+        """(Re)create every DBuffer, the unsharded parameters and the sharded gradient views.
+
+        ``device`` is where the compute buffers live; the master and its gradients live there too, or on
+        the host when offloading.
+        """
         layout, rank = self.layout, self.rank
+        self.device = device
+        host = torch.device("cpu") if self.offload else device
         compute_dtype = self.mp_policy.compute_dtype(master_dtype)
         reduce_dtype = self.mp_policy.reduction_dtype(master_dtype)
-        self.master = DBuffer(layout, rank, master_dtype, device)
-        self.compute = self.master if compute_dtype == master_dtype else DBuffer(
+        self.master = DBuffer(layout, rank, master_dtype, host, pin_memory=self._pin)
+        self.compute = self.master if compute_dtype == master_dtype and not self.offload else DBuffer(
             layout, rank, compute_dtype, device)
         self.grads = DBuffer(layout, rank, compute_dtype, device, with_shard=False)
         self.reduce = self.grads if reduce_dtype == compute_dtype else DBuffer(
             layout, rank, reduce_dtype, device, with_shard=False)
-        self.main_grad = DBuffer(layout, rank, master_dtype, device)
+        self.main_grad = DBuffer(layout, rank, master_dtype, host, pin_memory=self._pin)
         self.unsharded: list[nn.Parameter] = []
         unit = weakref.ref(self)
         self._sharded_grads: list[DTensor] = []
@@ -188,8 +220,10 @@ class Unit:
         if any(t.is_meta for t in locals_):
             return  # ``to("meta")``: nothing to keep; the buffers stay as they are
         first = locals_[0]
-        if (first.dtype, first.device) != (self.master.dtype, self.master.shard.device):
-            self._build_buffers(first.dtype, first.device)
+        # Offloaded, the master stays on the host whatever ``to(device)`` did (FSDP2 moves it back too).
+        device = self.device if self.offload else first.device
+        if (first.dtype, device) != (self.master.dtype, self.device):
+            self._build_buffers(first.dtype, device)
         for ref, p, local in zip(self.refs, params, locals_):
             view = self.master.shard_view(ref.name)
             # Compare storages, not data_ptr(): an empty view's data_ptr() is 0 whatever its storage.
@@ -221,22 +255,27 @@ class Unit:
         self.name = name
 
     # ----- unshard / reshard ----------------------------------------------------------------------
-    def unshard(self, async_op: bool = False) -> None:
-        """Issue the one all-gather that fills the unsharded buffer (waits unless ``async_op``)."""
+    def unshard(self, async_op: bool = False, after: torch.Event | None = None) -> None:
+        """Issue the one all-gather that fills the unsharded buffer (waits unless ``async_op``).
+
+        On CUDA the all-gather stream first waits for the current stream, or only for ``after``.
+        """
         if self.state is UnitState.UNSHARDED or self._pending_all_gather is not None:
             if not async_op:
                 self.wait_for_unshard()
             return
-        with side_stream(self.ag_stream):
+        with side_stream(self.ag_stream, after):
             self.compute.alloc_full()
-            if self.compute is not self.master:
-                self.compute.copy_(self.master.shard)  # the mixed-precision cast: one kernel per unit
+            source, group = self.compute.shard, self.shard_group
+            if self.state is UnitState.GROUPED:
+                source, group = self._grouped, self.post_forward_group
+            elif self.compute is not self.master:  # the mixed-precision cast and/or the host-to-device copy
+                self.compute.copy_(self.master.shard, non_blocking=self._pin)
             # The all-gather refills memory that autograd saved in forward (reshard_after_forward) with
             # the same values, so the version counter guarding saved tensors must not move: remember it
             # now and restore it once the collective is done (gloo bumps it when the work completes).
             self._keep_version = preserve_version_counter(self.compute.full)
-            self._pending_all_gather = all_gather(self.compute.full, self.compute.shard, self.shard_group,
-                                                  label=self.name)
+            self._pending_all_gather = all_gather(self.compute.full, source, group, label=self.name)
         if not async_op:
             self.wait_for_unshard()
 
@@ -248,28 +287,47 @@ class Unit:
             with self._keep_version:  # restores the version remembered at issue
                 pass
             self._version = version_of(self.compute.full)
-        if self.state is UnitState.SHARDED:
+            self._grouped = None  # gathered from: no longer needed
+        if self.state is not UnitState.UNSHARDED:
             for sharded, unsharded in zip(self.sharded, self.unsharded):
                 unsharded.requires_grad_(sharded.requires_grad)  # a switch after wrapping takes effect
             self._register(self.unsharded)
             self.state = UnitState.UNSHARDED
 
-    def reshard(self) -> None:
+    def reshard(self, to_group: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded buffer.
 
         If the unsharded parameters were written to since the all-gather (``with unsharded(model):``
         around an initialisation or an edit), this rank first keeps its slice of what was written.
+
+        Args:
+            to_group: after forward with ``reshard_after_forward=N``: keep this rank's 1/N of the
+                unsharded buffer (one copy), which backward gathers over the N ranks of its group.
         """
         if self._pending_all_gather is not None:
             self.wait_for_unshard()  # never free memory a collective is still writing
-        if self.state is UnitState.SHARDED:
+        if self.state is UnitState.GROUPED and not to_group:
+            self._grouped = None
+            self.state = UnitState.SHARDED
+        if self.state is not UnitState.UNSHARDED:
             return
         if version_of(self.compute.full) != self._version:
             lo, hi = self.layout.shard_range(self.rank)
             self.master.copy_(self.compute.full[lo:hi])
         self._register(self.sharded)
-        self.compute.free_full()
         self.state = UnitState.SHARDED
+        if to_group and self.post_forward_group is not None:
+            n = self.layout.total_numel // self._group_size
+            part = self.compute.full[self._group_index * n:(self._group_index + 1) * n]
+            self._grouped = torch.empty_like(part)
+            record_copy(self._grouped, part)
+            self._grouped.copy_(part)
+            self.state = UnitState.GROUPED
+        self.compute.free_full()
+
+    def set_post_forward_group(self, group: dist.ProcessGroup, index: int, size: int) -> None:
+        """``reshard_after_forward=size``: this rank is ``index`` in ``group`` (consecutive shard ranks)."""
+        self.post_forward_group, self._group_index, self._group_size = group, index, size
 
     # ----- gradients ------------------------------------------------------------------------------
     def _on_first_grad(self, grad: torch.Tensor) -> None:
@@ -314,6 +372,12 @@ class Unit:
         return any(p.requires_grad for p in self.sharded)
 
     def _on_grad_accumulated(self, index: int) -> None:
+        if torch.is_grad_enabled():  # accumulated with create_graph: .grad was replaced, not added into
+            raise RuntimeError(
+                f"fully_shard: backward(create_graph=True) accumulated a gradient into parameter "
+                f"{self.refs[index].name!r} of unit {self.name!r} with a graph; its .grad then stops being a "
+                "view into the unit's gradient buffer. Take the inner gradient with torch.autograd.grad(..., "
+                "create_graph=True) and call .backward() (without create_graph) on the final loss")
         self._landed.add(index)
         if index in self._waiting:  # once per parameter and backward (a retained graph may run twice)
             self._waiting.remove(index)
@@ -327,7 +391,8 @@ class Unit:
         not a gradient reached it on this rank: a rank where no parameter of the unit was used (an
         expert that got no tokens) contributes zeros, so the collectives never depend on the data.
         """
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
         if not self._grads_ready:
             if not (self.trains and self.requires_grad_sync):
                 return False
@@ -340,9 +405,14 @@ class Unit:
             return False
         self._unsynced_grads = False
         self._reduced_in_backward = True
-        self._reduced, self._landed = self._landed, set()
+        if self._all_reduces:
+            self._reduced, self._landed = self._landed, set()
+        else:  # an HSDP partial step: no .grad until the all-reduce, which reports every landed gradient
+            self._reduced = set()
         self._accumulate_into_grads = any(p.grad is not None for p in self.sharded)
-        direct = not self._accumulate_into_grads and self.reduce.dtype == self.main_grad.dtype
+        direct = (not self._accumulate_into_grads and self.reduce.dtype == self.main_grad.dtype
+                  and self._all_reduces and self._partial is None  # a partial sum lives on in scratch
+                  and not self.offload)  # reduced on the device, then copied to the host
         with side_stream(self.rs_stream):
             self.main_grad.alloc_shard()
             if self.reduce is not self.grads:
@@ -352,16 +422,20 @@ class Unit:
             # Straight into the sharded gradients, unless they must be added to or cast: then a scratch
             # shard that lives until the reduce is finished.
             self._reduce_out = self.main_grad.shard if direct else torch.empty(
-                self.layout.shard_size, dtype=self.reduce.dtype, device=self.main_grad.shard.device)
-            self._pending_reduce = reduce_scatter(self._reduce_out, self.reduce.full, self.shard_group,
+                self.layout.shard_size, dtype=self.reduce.dtype, device=self.device)
+            self._pending_reduce = reduce_scatter(self._reduce_out, self.reduce.full, self.reduce_group,
                                                   label=self.name)
         return True
 
-    def landed_mask(self) -> torch.Tensor:
-        """1 for each parameter that got a gradient on this rank since the previous reduce, else 0."""
-        mask = torch.zeros(len(self.refs), dtype=torch.int32, device=self.main_grad.shard.device)
-        mask[sorted(self._reduced or ())] = 1
-        return mask
+    @property
+    def _all_reduces(self) -> bool:
+        """This reduce ends with the gradients given out (not an HSDP step that skips the all-reduce)."""
+        return self.replicate_group is None or self.requires_all_reduce
+
+    def landed_mask(self, out: torch.Tensor) -> None:
+        """Write into ``out`` (one int per parameter, zeroed) 1 for each parameter that got a gradient on
+        this rank since the previous reduce."""
+        out[sorted(self._reduced or ())] = 1
 
     def end_backward(self, used_anywhere: torch.Tensor | None) -> None:
         """Give the sharded parameters their ``.grad`` views once the reduce is finished.
@@ -383,6 +457,26 @@ class Unit:
         if all(p.grad is None for p in self.sharded):
             self.main_grad.free_shard()
 
+    def discard_step(self) -> None:
+        """Forget an aborted step: wait for issued collectives (dropping their errors), drop this step's
+        unsharded gradients and partial sums, and reshard."""
+        for name in ("_pending_all_gather", "_pending_reduce"):
+            pending = getattr(self, name)
+            setattr(self, name, None)
+            if pending is not None:
+                try:
+                    pending.wait()
+                except Exception:  # noqa: BLE001 - the step is discarded; its next collectives will raise
+                    pass
+        for p in self.unsharded:
+            p.grad = None
+        self._reduce_out = self._partial = None
+        self._grads_ready = self._unsynced_grads = self._reduced_in_backward = False
+        self._waiting, self._landed = set(), set()
+        self.grads.free_full()
+        self.reduce.free_full()
+        self.reshard()
+
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter (and the HSDP all-reduce) and set the sharded ``.grad`` views."""
         if self._pending_reduce is None:
@@ -390,9 +484,23 @@ class Unit:
         pending, self._pending_reduce = self._pending_reduce, None
         pending.wait()
         out = self._reduce_out
+        self._reduce_out = None
+        if not self._all_reduces:  # FSDP2's partial reduce: summed here, all-reduced by a later backward
+            self._partial = out if self._partial is None else self._partial.add_(out)
+            self.grads.free_full()
+            self.reduce.free_full()
+            return
+        if self._partial is not None:
+            out.add_(self._partial)
+            self._partial = None
         if self.replicate_group is not None:
             all_reduce(out, self.replicate_group, label=self.name).wait()
-        out.div_(self.world)
+        out.div_(self.world if self.gradient_divide_factor is None else self.gradient_divide_factor)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(out)
+        if self.offload:
+            record_copy(self.main_grad.shard, out)
+            out = out.to(self.main_grad.shard.device)  # device to host (nothing moves on a CPU mesh)
         if out is not self.main_grad.shard:
             if self._accumulate_into_grads:
                 for ref, p in zip(self.refs, self.sharded):
@@ -401,6 +509,5 @@ class Unit:
                 self.main_grad.add_(out)
             else:
                 self.main_grad.copy_(out)  # a cast: reduced in another dtype than the master's
-        self._reduce_out = None
         self.grads.free_full()
         self.reduce.free_full()

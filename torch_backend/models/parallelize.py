@@ -9,7 +9,7 @@ from torch_backend.models.llama import Llama
 from torch_backend.models.moe import MoEDecoder
 
 
-def parallelize(model: Llama | MoEDecoder, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+def parallelize(model: Llama | MoEDecoder, mesh: DeviceMesh, *, reshard_after_forward: bool | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, granularity: GranularityArg = None
                 ) -> Llama | MoEDecoder:
     """Shard ``model`` in place: ``tok_embeddings``, each layer, ``[norm, output]``, then the root.
@@ -23,16 +23,17 @@ def parallelize(model: Llama | MoEDecoder, mesh: DeviceMesh, *, reshard_after_fo
     Args:
         model: a ``Llama`` or an ``MoEDecoder`` (built anywhere, the meta device included).
         mesh: a 1-D mesh, or a 2-D ``(replicate, shard)`` mesh for HSDP.
-        reshard_after_forward, mp_policy, granularity: passed to every ``fully_shard`` call.
+        reshard_after_forward: passed to every ``fully_shard`` call but the root's, which keeps FSDP2's
+            default (the root stays unsharded after forward: its backward starts at once).
+        mp_policy, granularity: passed to every ``fully_shard`` call.
 
     Returns:
         ``model``, now an FSDP module.
     """
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                  granularity=granularity)
-    fully_shard(model.tok_embeddings, **kwargs)
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy, granularity=granularity)
+    fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **kwargs)
     for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard([model.norm, model.output], **kwargs)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard([model.norm, model.output], reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -126,6 +126,7 @@ def _patch() -> None:
         ((aten.copy_.default,), _copy_handler),
         ((aten._local_scalar_dense.default,), _item_handler),
         ((aten.select.int,), _select_handler),
+        ((aten.new_empty.default,), _new_empty_handler),
     ):
         for op in ops:
             _ORIGINAL[f"handler:{op}"] = handlers.get(op)
@@ -465,6 +466,16 @@ def _select_handler(op, args, kwargs):
         op, tuple(x.shape), tuple(x.placements), mesh.get_local_rank(m), names["index"]
     )
     return make_dtensor(x._local_tensor[start:stop], mesh, placements, tuple(x.shape[1:]))
+
+
+def _new_empty_handler(op, args, kwargs):
+    x, size = args[0], tuple(args[1])
+    if not (isinstance(x, DTensor) and has_ragged(x.placements) and size == tuple(x.shape)):
+        return _fallback(op, args, kwargs)  # another shape: the sharding rules refuse it, naming the op
+    # An uninitialised tensor of the operand's shape keeps its placements (DCP's async staging copies
+    # each DTensor as ``new_empty(x.size(), device="cpu")``); the local is the flat local's shape.
+    local = x._local_tensor.new_empty(x._local_tensor.shape, **kwargs)
+    return make_dtensor(local, x.device_mesh, x.placements, size)
 
 
 def _item_handler(op, args, kwargs):
