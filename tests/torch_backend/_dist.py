@@ -165,3 +165,17 @@ class Launcher:
         if world not in self._results:
             self._results[world] = launch(self.path, self.fn, world, *self.args)
         return self._results[world]
+
+
+def rank0_result(run: Launcher, world: int, case: str):
+    """Rank 0's result of ``case`` after failing on any rank's error (a dict with ``"error"`` or a
+    traceback string, as the worker modules' ``checks`` record them)."""
+    errors = []
+    for rank, res in enumerate(run(world)):
+        value = res.get(case, res.get("<worker>"))
+        if isinstance(value, dict) and "error" in value or isinstance(value, str) and "Traceback" in value:
+            errors.append(f"rank {rank}: {value}")
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return run(world)[0][case]
+

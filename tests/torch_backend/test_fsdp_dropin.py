@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.torch_backend import _dropin_workers as W
-from tests.torch_backend._dist import Launcher
+from tests.torch_backend._dist import Launcher, rank0_result
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2  # bf16 parameters and activations against the fp32 reference (8 mantissa bits)
@@ -23,14 +23,7 @@ run = Launcher(str(Path(W.__file__)), "checks", _CHECKPOINTS.name)
 
 
 def result(world: int, case: str):
-    errors = []
-    for rank, res in enumerate(run(world)):
-        value = res.get(case, res.get("<worker>"))
-        if isinstance(value, dict) and "error" in value or isinstance(value, str) and "Traceback" in value:
-            errors.append(f"rank {rank}: {value}")
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return run(world)[0][case]
+    return rank0_result(run, world, case)
 
 
 def assert_trains(r: dict, rtol: float = FP32_RTOL) -> None:

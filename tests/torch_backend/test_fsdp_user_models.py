@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.torch_backend import _user_model_workers as W
-from tests.torch_backend._dist import Launcher
+from tests.torch_backend._dist import Launcher, rank0_result
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -50,14 +50,7 @@ run = Launcher(str(Path(W.__file__)))
 
 def result(world: int, case: str):
     """Rank 0's result of ``case`` after failing on any rank's error."""
-    errors = []
-    for rank, res in enumerate(run(world)):
-        value = res.get(case, res.get("<worker>"))
-        if isinstance(value, dict) and "error" in value or isinstance(value, str) and "Traceback" in value:
-            errors.append(f"rank {rank}: {value}")
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return run(world)[0][case]
+    return rank0_result(run, world, case)
 
 
 @pytest.mark.parametrize("world", [2, 4])
