@@ -37,7 +37,7 @@ def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def reference(steps: int = STEPS) -> dict:
-    """Single-process training: losses of every step, parameters after SAVE_AT steps and at the end."""
+    """Single-process training: losses of every step and the parameters at the end."""
     from torch_backend.models import Llama, cross_entropy
 
     model = Llama()
@@ -52,8 +52,6 @@ def reference(steps: int = STEPS) -> dict:
         opt.step()
         opt.zero_grad()
         out["losses"].append(loss.item())
-        if step + 1 == SAVE_AT:
-            out["params_at_save"] = {n: p.detach().clone().numpy() for n, p in model.named_parameters()}
     out["params"] = {n: p.detach().clone().numpy() for n, p in model.named_parameters()}
     return out
 
@@ -67,11 +65,28 @@ def _sharded_model(mesh, seed: int = SEED, **kwargs) -> torch.nn.Module:
     return parallelize(model, mesh, **kwargs)
 
 
+def _fsdp2_model(mesh) -> torch.nn.Module:
+    """The baseline: FSDP2's ``fully_shard`` over the same units as ``parallelize``."""
+    from torch.distributed.fsdp import fully_shard
+
+    from torch_backend.models import Llama
+
+    model = Llama()
+    model.init_weights(SEED)
+    for unit in (model.tok_embeddings, *model.layers, [model.norm, model.output], model):
+        fully_shard(unit, mesh=mesh)
+    return model
+
+
 def _train(model, opt, steps: range, dp_rank: int, dp_size: int, micro: int = 1,
            on_step: Callable[[int], None] | None = None) -> list[float]:
     """Train on this data-parallel rank's rows; returns the global mean loss of each step."""
-    from torch_backend import clip_grad_norm_
+    from torch_backend import FSDPModule, clip_grad_norm_
     from torch_backend.models import cross_entropy
+
+    if not isinstance(model, FSDPModule):  # FSDP2's model: torch's clipping over its DTensor gradients
+        def clip_grad_norm_(m, max_norm):
+            return torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
 
     losses = []
     rows = B // dp_size
@@ -117,22 +132,29 @@ def parity_checks(rank: int, world: int, ckpt_dir: str) -> dict:
     def fp32() -> dict:
         model = _sharded_model(mesh)
         opt = optimizer(model)
-        save = None
+        save, out = None, {}
         if world == 4:  # the checkpoint that the 2-rank launch resumes from
             from torch_backend import save_dcp_checkpoint
 
             def save(step: int) -> None:
                 if step + 1 == SAVE_AT:
                     save_dcp_checkpoint(Path(ckpt_dir) / "step5", model, opt)
+                    out["params_at_save"] = _full_params(model)
         losses = _train(model, opt, range(STEPS), rank, world, on_step=save)
-        return {"losses": losses, "params": _full_params(model)}
+        return {"losses": losses, "params": _full_params(model), **out}
 
-    checks = {"fp32": fp32}
+    def fsdp2() -> dict:
+        model = _fsdp2_model(mesh)
+        _train(model, optimizer(model), range(STEPS), rank, world)
+        return {"params": _full_params(model)}
+
+    checks = {"fp32": fp32, "fp32 fsdp2": fsdp2}
     if world == 4:
         checks |= {"counter": lambda: _counter(mesh), "bf16": lambda: _bf16(mesh),
-                   "hsdp": lambda: _hsdp(rank)}
+                   "hsdp": lambda: _hsdp(rank), "hsdp fsdp2": lambda: _hsdp(rank, fsdp2=True)}
     if world == 2:
         checks |= {"accumulate": lambda: _accumulate(mesh, rank),
+                   "accumulate fsdp2": lambda: _accumulate(mesh, rank, fsdp2=True),
                    "resume": lambda: _resume(mesh, rank, ckpt_dir), "errors": lambda: _errors(mesh, rank)}
     if world == 3:
         checks |= {"meta_init": lambda: _meta_init(mesh), "layouts": lambda: _layouts(mesh)}
@@ -170,17 +192,17 @@ def _bf16(mesh) -> dict:
     return {"losses": losses, "params": _full_params(model), "master_dtypes": dtypes}
 
 
-def _hsdp(rank: int) -> dict:
+def _hsdp(rank: int, fsdp2: bool = False) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = _sharded_model(mesh)
+    model = _fsdp2_model(mesh) if fsdp2 else _sharded_model(mesh)
     opt = optimizer(model)
     losses = _train(model, opt, range(STEPS), rank, 4)
     return {"losses": losses, "params": _full_params(model),
             "placements": str(next(iter(model.parameters())).placements)}
 
 
-def _accumulate(mesh, rank: int) -> dict:
-    model = _sharded_model(mesh)
+def _accumulate(mesh, rank: int, fsdp2: bool = False) -> dict:
+    model = _fsdp2_model(mesh) if fsdp2 else _sharded_model(mesh)
     opt = optimizer(model)
     losses = _train(model, opt, range(STEPS), rank, mesh.size(), micro=2)
     return {"losses": losses, "params": _full_params(model)}
