@@ -13,14 +13,12 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import traceback
-from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from tests.torch_backend._dist import run_cases
 from tests.torch_backend._user_model_workers import adamw_steps, full_params, rel_errors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -161,8 +159,8 @@ def _refused(mesh, rank: int, world: int, experts_as_units: bool) -> dict:
     try:
         train(model, rows)
     except RuntimeError as e:
-        return {"error": str(e)}
-    return {"error": None}
+        return {"raised": str(e)}
+    return {"raised": None}
 
 
 def _switch_transformers(mesh, rank: int, world: int) -> dict:
@@ -208,24 +206,16 @@ def _switch_transformers(mesh, rank: int, world: int) -> dict:
 
 
 def checks(rank: int, world: int) -> dict:
-    out = {}
-
-    def run(case: str, fn: Callable[[], object]) -> None:
-        try:
-            out[case] = fn()
-        except BaseException:
-            out[case] = {"traceback": traceback.format_exc()}
-
+    cases = {}
     mesh = init_device_mesh("cpu", (world,))
-    run("routed", lambda: _routed(mesh, rank, world))
+    cases["routed"] = lambda: _routed(mesh, rank, world)
     if world == 4:
-        run("routed_hsdp", lambda: _routed(init_device_mesh("cpu", (2, 2)), rank, world))
+        cases["routed_hsdp"] = lambda: _routed(init_device_mesh("cpu", (2, 2)), rank, world)
     if world == 2:
         for reentrant in (False, True):
             case = f"routed_checkpointed_reentrant={reentrant}"
-            run(case, lambda r=reentrant: _routed(mesh, rank, world, r))
-    run("switch", lambda: _switch_transformers(mesh, rank, world))
-    run("experts_as_units", lambda: _refused(mesh, rank, world, experts_as_units=True))
-    run("aux_without_gradient", lambda: _refused(mesh, rank, world, experts_as_units=False))
-    dist.barrier()
-    return out
+            cases[case] = lambda r=reentrant: _routed(mesh, rank, world, r)
+    cases["switch"] = lambda: _switch_transformers(mesh, rank, world)
+    cases["experts_as_units"] = lambda: _refused(mesh, rank, world, experts_as_units=True)
+    cases["aux_without_gradient"] = lambda: _refused(mesh, rank, world, experts_as_units=False)
+    return run_cases(cases)

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
-Results = dict[str, str | None]
+Results = dict[str, object]
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch_backend"]
 
 
@@ -128,28 +128,35 @@ def launch(
     ]
 
 
-def run_cases(cases: dict[str, Callable[[], None]]) -> Results:
-    """Run every case, recording None or its traceback; a failing case does not stop the others."""
+def run_cases(cases: dict[str, Callable[[], object]]) -> Results:
+    """Run every case, recording what it returns or ``{"traceback": ...}``; a failing case does not stop
+    the others."""
     out: Results = {}
     for name, case in cases.items():
         try:
-            case()
-            out[name] = None
+            out[name] = case()
         except BaseException:
-            out[name] = traceback.format_exc()
+            out[name] = {"traceback": traceback.format_exc()}
     return out
 
 
-def assert_case(results: list[Results], name: str) -> None:
-    """Fail with every rank's error text if ``name`` failed (or a worker died) on any rank."""
+def _errors(results: list[Results], name: str) -> list[str]:
+    """Each rank's failure of case ``name``: its traceback, a dead worker, or a case that did not run."""
     errors = []
     for rank, res in enumerate(results):
+        value = res.get(name)
         if "<worker>" in res:
             errors.append(f"rank {rank}: worker failed:\n{res['<worker>']}")
         elif name not in res:
             errors.append(f"rank {rank}: case {name!r} did not run")
-        elif res[name] is not None:
-            errors.append(f"rank {rank}:\n{res[name]}")
+        elif isinstance(value, dict) and "traceback" in value:
+            errors.append(f"rank {rank}:\n{value['traceback']}")
+    return errors
+
+
+def assert_case(results: list[Results], name: str) -> None:
+    """Fail with every rank's error text if ``name`` failed (or a worker died) on any rank."""
+    errors = _errors(results, name)
     if errors:
         raise AssertionError("\n".join(errors))
 
@@ -167,15 +174,7 @@ class Launcher:
         return self._results[world]
 
 
-def rank0_result(run: Launcher, world: int, case: str):
-    """Rank 0's result of ``case`` after failing on any rank's error (a dict with ``"error"`` or a
-    traceback string, as the worker modules' ``checks`` record them)."""
-    errors = []
-    for rank, res in enumerate(run(world)):
-        value = res.get(case, res.get("<worker>"))
-        if isinstance(value, dict) and "error" in value or isinstance(value, str) and "Traceback" in value:
-            errors.append(f"rank {rank}: {value}")
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return run(world)[0][case]
-
+def case_results(results: list[Results], case: str) -> list:
+    """Every rank's result of ``case``, after failing on any rank's error."""
+    assert_case(results, case)
+    return [res[case] for res in results]

@@ -9,7 +9,6 @@ FSDP2's show the case is sound), or the error each one raised.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from tests.torch_backend._dist import run_cases
 from tests.torch_backend._user_model_workers import full_params, rel_errors
 
 B, T, D, H, V, SEED, STEPS, LR = 8, 4, 8, 16, 16, 0, 3, 1e-2  # 8 rows: an even split over 2 and 4 ranks
@@ -606,33 +606,25 @@ def _compiled(mesh, rank: int, world: int) -> dict:
 # ----- the checks of one launch -------------------------------------------------------------------------
 def checks(rank: int, world: int, path: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
-    out = {}
-
-    def run(case: str, fn: Callable[[], object]) -> None:
-        try:
-            out[case] = fn()
-        except BaseException:
-            out[case] = {"error": traceback.format_exc()}
-
-    run("module_api", lambda: _module_api(mesh))
-    run("divide_factor", lambda: _divide_factor(mesh, rank, world))
-    run("accumulate_without_resharding", lambda: _accumulate_without_resharding(mesh, rank, world))
-    run("reshard_after_forward", lambda: _reshard_after_forward(mesh, rank, world))
-    run("unshard_in_backward", lambda: _unshard_in_backward(mesh, rank, world))
-    run("all_reduce_hook", lambda: _all_reduce_hook(mesh, rank, world))
-    run("separate_group", lambda: _separate_group_and_events(mesh, rank, world))
-    run("reset_iter_state", lambda: _reset_iter_state(mesh, rank, world))
+    cases = {}
+    cases["module_api"] = lambda: _module_api(mesh)
+    cases["divide_factor"] = lambda: _divide_factor(mesh, rank, world)
+    cases["accumulate_without_resharding"] = lambda: _accumulate_without_resharding(mesh, rank, world)
+    cases["reshard_after_forward"] = lambda: _reshard_after_forward(mesh, rank, world)
+    cases["unshard_in_backward"] = lambda: _unshard_in_backward(mesh, rank, world)
+    cases["all_reduce_hook"] = lambda: _all_reduce_hook(mesh, rank, world)
+    cases["separate_group"] = lambda: _separate_group_and_events(mesh, rank, world)
+    cases["reset_iter_state"] = lambda: _reset_iter_state(mesh, rank, world)
     if world == 4:
-        run("hsdp_requires_all_reduce", lambda: _hsdp_requires_all_reduce(rank))
-    run("shard_placement_fn", lambda: _shard_placement_fn(mesh, rank, world))
-    run("ignored_params", lambda: _ignored_params(mesh, rank, world))
-    run("refused_keywords", lambda: _refused_keywords(mesh))
-    run("torch_mp_policy", lambda: _torch_mp_policy(mesh, rank, world))
-    run("cpu_offload", lambda: _cpu_offload(mesh, rank, world))
-    run("gradient_penalty", lambda: _gradient_penalty(mesh, rank, world))
-    run("embedding_max_norm", lambda: _embedding_max_norm(mesh, rank, world))
-    run("async_dcp", lambda: _async_dcp(mesh, rank, world, f"{path}/{world}"))
+        cases["hsdp_requires_all_reduce"] = lambda: _hsdp_requires_all_reduce(rank)
+    cases["shard_placement_fn"] = lambda: _shard_placement_fn(mesh, rank, world)
+    cases["ignored_params"] = lambda: _ignored_params(mesh, rank, world)
+    cases["refused_keywords"] = lambda: _refused_keywords(mesh)
+    cases["torch_mp_policy"] = lambda: _torch_mp_policy(mesh, rank, world)
+    cases["cpu_offload"] = lambda: _cpu_offload(mesh, rank, world)
+    cases["gradient_penalty"] = lambda: _gradient_penalty(mesh, rank, world)
+    cases["embedding_max_norm"] = lambda: _embedding_max_norm(mesh, rank, world)
+    cases["async_dcp"] = lambda: _async_dcp(mesh, rank, world, f"{path}/{world}")
     if world == 2:
-        run("compiled", lambda: _compiled(mesh, rank, world))
-    dist.barrier()
-    return out
+        cases["compiled"] = lambda: _compiled(mesh, rank, world)
+    return run_cases(cases)

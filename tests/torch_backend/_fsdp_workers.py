@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged.models import LLAMA_TINY
+from tests.torch_backend._dist import run_cases
 
 B, T, STEPS, SAVE_AT = 12, 16, 10, 5  # 12 rows split evenly over 1, 2, 3 and 4 ranks
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 0
@@ -113,17 +113,6 @@ def _full_params(model) -> dict[str, np.ndarray]:
     return {n: p.full_tensor().detach().clone().numpy() for n, p in model.named_parameters()}
 
 
-def _run(checks: dict[str, Callable[[], object]]) -> dict:
-    """Run every check; a failing one records its traceback and the others still run."""
-    out = {}
-    for name, check in checks.items():
-        try:
-            out[name] = check()
-        except BaseException:
-            out[name] = {"error": traceback.format_exc()}
-    return out
-
-
 # ----- the checks of one launch ---------------------------------------------------------------------
 def parity_checks(rank: int, world: int, ckpt_dir: str) -> dict:
     """fp32 parity at every world size, plus the extra checks a world size hosts."""
@@ -158,7 +147,7 @@ def parity_checks(rank: int, world: int, ckpt_dir: str) -> dict:
                    "resume": lambda: _resume(mesh, rank, ckpt_dir), "errors": lambda: _errors(mesh, rank)}
     if world == 3:
         checks |= {"meta_init": lambda: _meta_init(mesh), "layouts": lambda: _layouts(mesh)}
-    return _run(checks)
+    return run_cases(checks)
 
 
 def _counter(mesh) -> dict:

@@ -19,8 +19,6 @@ forward and backward run on a bf16 copy of the fp32 master, and the bf16 gradien
 from __future__ import annotations
 
 import copy
-import traceback
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged.models import MOE_CONFIGS
+from tests.torch_backend._dist import run_cases
 from tests.torch_backend._user_model_workers import rel_errors
 
 MODELS = ("mixtral-tiny", "gpt-oss-tiny", "deepseek-v3-tiny")
@@ -190,23 +189,15 @@ def ep_case(name: str, rank: int, world: int, ep: int) -> dict:
 
 
 def checks(rank: int, world: int) -> dict:
-    out = {}
-
-    def run(label: str, fn: Callable[[], object]) -> None:
-        try:
-            out[label] = fn()
-        except BaseException:
-            out[label] = {"traceback": traceback.format_exc()}
-
+    cases = {}
     mesh = init_device_mesh("cpu", (world,))
     for name in MODELS:
-        run(f"{name}/fp32", lambda name=name: case(name, mesh, rank, world, bf16=False))
-        run(f"{name}/bf16", lambda name=name: case(name, mesh, rank, world, bf16=True))
+        cases[f"{name}/fp32"] = lambda name=name: case(name, mesh, rank, world, bf16=False)
+        cases[f"{name}/bf16"] = lambda name=name: case(name, mesh, rank, world, bf16=True)
         for ep in {2: (2,), 4: (2, 4)}[world]:
-            run(f"{name}/ep{ep}", lambda name=name, ep=ep: ep_case(name, rank, world, ep))
+            cases[f"{name}/ep{ep}"] = lambda name=name, ep=ep: ep_case(name, rank, world, ep)
     if world == 4:
         skewed = f"gpt-oss-tiny{SKEWED}"
         for ep in (2, 4):
-            run(f"{skewed}/ep{ep}", lambda ep=ep: ep_case(skewed, rank, world, ep))
-    dist.barrier()
-    return out
+            cases[f"{skewed}/ep{ep}"] = lambda ep=ep: ep_case(skewed, rank, world, ep)
+    return run_cases(cases)

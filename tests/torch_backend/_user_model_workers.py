@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from tests.torch_backend._dist import run_cases
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 B, T, STEPS, VOCAB, SEED = 8, 8, 3, 128, 0  # 8 rows split evenly over 2 and 4 ranks
 LR, WEIGHT_DECAY = 1e-2, 0.1
@@ -203,29 +205,19 @@ def reference(name: str) -> dict:
 # ----- the checks of one launch ---------------------------------------------------------------------
 def checks(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
-    out = {}
-
-    def run(case: str, fn: Callable[[], object]) -> None:
-        import traceback
-
-        try:
-            out[case] = fn()
-        except BaseException:
-            out[case] = {"error": traceback.format_exc()}
-
+    cases = {}
     for name in MODELS:
-        run(name, lambda name=name: compare(name, mesh, rank, world))
-    run("bf16_llama", lambda: _bf16(mesh, rank, world))
-    run("meta_llama", lambda: _meta_llama(mesh, rank, world))
-    run("requires_grad_after_wrap", lambda: _requires_grad_after_wrap(mesh, rank, world))
-    run("unused_and_0d", lambda: _unused_and_0d(mesh))
-    run("sibling_tied", lambda: _sibling_tied(mesh))
-    run("state_dicts", lambda: _state_dicts(mesh))
-    run("forward_method", lambda: _forward_method(mesh))
+        cases[name] = lambda name=name: compare(name, mesh, rank, world)
+    cases["bf16_llama"] = lambda: _bf16(mesh, rank, world)
+    cases["meta_llama"] = lambda: _meta_llama(mesh, rank, world)
+    cases["requires_grad_after_wrap"] = lambda: _requires_grad_after_wrap(mesh, rank, world)
+    cases["unused_and_0d"] = lambda: _unused_and_0d(mesh)
+    cases["sibling_tied"] = lambda: _sibling_tied(mesh)
+    cases["state_dicts"] = lambda: _state_dicts(mesh)
+    cases["forward_method"] = lambda: _forward_method(mesh)
     if world == 4:
-        run("small_mesh", _small_mesh)
-    dist.barrier()
-    return out
+        cases["small_mesh"] = _small_mesh
+    return run_cases(cases)
 
 
 def _bf16(mesh, rank: int, world: int) -> dict:

@@ -22,18 +22,14 @@ from pathlib import Path
 import pytest
 
 from tests.torch_backend import _data_dependent_workers as W
-from tests.torch_backend._dist import Launcher
+from tests.torch_backend._dist import Launcher, case_results
 
 FP32_RTOL = 1e-5
 run = Launcher(str(Path(W.__file__)))
 
 
 def result(world: int, case: str, rank: int = 0):
-    errors = [f"rank {r}: {res.get(case, res.get('<worker>'))}" for r, res in enumerate(run(world))
-              if "<worker>" in res or "traceback" in res.get(case, {})]
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return run(world)[rank][case]
+    return case_results(run(world), case)[rank]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -71,7 +67,7 @@ def test_huggingface_switch_transformers_trains_like_single_process(world):
 @pytest.mark.parametrize(("case", "names"), [("experts_as_units", "blocks.0.experts."),
                                              ("aux_without_gradient", "'aux'")])
 def test_units_that_run_or_get_gradients_on_some_ranks_only_raise_on_every_rank(world, case, names):
-    errors = [result(world, case, r)["error"] for r in range(world)]
+    errors = [result(world, case, r)["raised"] for r in range(world)]
     assert all(e is not None for e in errors), errors
     for e in errors:
         assert "ranks disagree on what runs next" in e and "fully_shard the MoE layer" in e, e

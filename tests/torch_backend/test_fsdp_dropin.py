@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.torch_backend import _dropin_workers as W
-from tests.torch_backend._dist import Launcher, rank0_result
+from tests.torch_backend._dist import Launcher, case_results
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2  # bf16 parameters and activations against the fp32 reference (8 mantissa bits)
@@ -23,7 +23,7 @@ run = Launcher(str(Path(W.__file__)), "checks", _CHECKPOINTS.name)
 
 
 def result(world: int, case: str):
-    return rank0_result(run, world, case)
+    return case_results(run(world), case)[0]
 
 
 def assert_trains(r: dict, rtol: float = FP32_RTOL) -> None:

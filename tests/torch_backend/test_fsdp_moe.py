@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.torch_backend import _moe_workers as W
-from tests.torch_backend._dist import Launcher
+from tests.torch_backend._dist import Launcher, case_results
 
 FP32_RTOL = 1e-5
 # Expert parallelism sums an expert's gradient in another order (one GEMM over the tokens of every EP rank,
@@ -37,11 +37,7 @@ run = Launcher(str(Path(W.__file__)))
 
 
 def results(world: int, case: str) -> list[dict]:
-    errors = [f"rank {r}: {res.get(case, res.get('<worker>'))}" for r, res in enumerate(run(world))
-              if "<worker>" in res or "traceback" in res.get(case, {})]
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [res[case] for res in run(world)]
+    return case_results(run(world), case)
 
 
 def assert_experts_went_empty_on_some_ranks(ranks: list[dict]) -> None:

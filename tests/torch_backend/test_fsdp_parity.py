@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.torch_backend import _fsdp_workers as W
-from tests.torch_backend._dist import launch
+from tests.torch_backend._dist import case_results, launch
 
 WORKERS = str(Path(W.__file__))
 # Bounds. Losses: a step's loss is the mean over B * T token predictions, which a sharded run sums in
@@ -55,16 +55,7 @@ def run(tmp_path_factory):
 
 
 def result(results: list[dict], name: str) -> dict:
-    """Rank 0's result of check ``name``, after failing on any rank's error."""
-    errors = []
-    for rank, res in enumerate(results):
-        if "<worker>" in res:
-            errors.append(f"rank {rank}: worker failed:\n{res['<worker>']}")
-        elif not isinstance(res.get(name), dict) or "error" in res[name]:
-            errors.append(f"rank {rank}: {name}: {res.get(name)}")
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return results[0][name]
+    return case_results(results, name)[0]
 
 
 def distance(got: dict, want: dict) -> tuple[float, str]:
@@ -172,7 +163,7 @@ def test_debug_counter_bytes_equal_the_simulators(run):
 
 def test_bad_input_raises_on_every_rank_before_communicating(run):
     results = run(2)
-    messages = [result(results, "errors")] + [res["errors"] for res in results[1:]]
+    messages = case_results(results, "errors")
     assert all(m == messages[0] for m in messages)  # the same error on every rank, then a barrier passed
     m = messages[0]
     assert m["granularity"].startswith("GranularityError") and "layers.0" not in m["granularity"]

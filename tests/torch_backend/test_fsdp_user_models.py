@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.torch_backend import _user_model_workers as W
-from tests.torch_backend._dist import Launcher, rank0_result
+from tests.torch_backend._dist import Launcher, case_results
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -50,7 +50,7 @@ run = Launcher(str(Path(W.__file__)))
 
 def result(world: int, case: str):
     """Rank 0's result of ``case`` after failing on any rank's error."""
-    return rank0_result(run, world, case)
+    return case_results(run(world), case)[0]
 
 
 @pytest.mark.parametrize("world", [2, 4])
