@@ -27,6 +27,7 @@ from ragged.simulate._step import StepConfig, StepResult, simulate
 from ragged.simulate._timeline_svg import timeline_svg
 from ragged.simulate._workload import METHODS
 
+_AC_NAMES = {True: "full", False: "none"}
 
 def add_parser(sub: Any) -> None:
     """Add the ``simulate`` subcommand to ``sub`` (an argparse subparsers object)."""
@@ -44,8 +45,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--granularity", default="rows:1", help="matrix granularity (default rows:1)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam8bit", "muon"))
-    p.add_argument("--no-activation-checkpointing", dest="ac", action="store_false",
-                   help="keep every activation (default: recompute each layer in backward)")
+    p.add_argument("--activation-checkpointing", dest="ac", default="full",
+                   choices=("full", "none", "selective-op"),
+                   help="full (default): recompute each layer in backward; none; selective-op: torchtitan's "
+                        "op policy (every second matmul of a layer recomputed)")
+    p.add_argument("--no-activation-checkpointing", dest="ac", action="store_const", const="none",
+                   help="the same as --activation-checkpointing none")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: ours, fsdp2, megatron")
     p.add_argument("--calibration", metavar="FILE.json",
                    help="measured times to calibrate on (docs/simulate.md)")
@@ -98,7 +103,7 @@ def _print(results: list[StepResult], model: str, modelled: str, hbm: float) -> 
     cfg = results[0].config
     title = (f"{model} on {cfg.gpus} {results[0].hardware} ({cfg.replicas} x {cfg.group_size}), "
              f"{cfg.batch_per_device} x {cfg.seq_len} tokens/GPU, {cfg.optimizer}, activation "
-             f"checkpointing {'on' if cfg.activation_checkpointing else 'off'}")
+             f"checkpointing {_AC_NAMES.get(cfg.activation_checkpointing, cfg.activation_checkpointing)}")
     table = Table(title=title, title_justify="left")
     cols = ["method", "step ms", "compute ms", "copies ms", "comm ms", "exposed comm ms", "tokens/s/GPU",
             "MFU", "padding", "memory plan", "held", "with reserve", "fits"]

@@ -27,6 +27,7 @@ from ragged.simulate._workload import METHODS, UnitCost, unit_costs
 # HBM bytes per shard element of one optimizer step: AdamW reads parameter, gradient and two moments
 # (fp32) and writes parameter and moments; 8-bit Adam's moments are one byte each; Muon keeps one
 # momentum (its Newton-Schulz FLOPs are not modelled).
+AC_POLICIES = (True, False, "full", "none", "selective-op")
 OPTIMIZER_HBM_BYTES = {"adamw": 28.0, "adam8bit": 16.0, "muon": 20.0}
 
 
@@ -41,9 +42,14 @@ class StepConfig:
     granularity: str = "rows:1"
     dtype: str = "bf16"
     optimizer: str = "adamw"
-    activation_checkpointing: bool = True
+    # True (or "full"): recompute each layer's forward in backward; False: none; "selective-op": torchtitan's
+    # op-level policy (it saves every matmul and attention output but every second matmul's).
+    activation_checkpointing: bool | str = True
 
     def __post_init__(self) -> None:
+        if self.activation_checkpointing not in AC_POLICIES:
+            raise RaggedError(f"simulate: activation_checkpointing must be one of {list(AC_POLICIES)}, got "
+                              f"{self.activation_checkpointing!r}")
         for name in ("gpus", "replicas", "batch_per_device", "seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -153,7 +159,7 @@ def simulate(units: ModelShapes | Sequence[UnitSpecs], c: LlamaConfig, hw: Hardw
     plan = memory_plan(name, c, config.gpus, replicas=config.replicas, granularity=config.granularity,
                        dtype=config.dtype, optimizer=config.optimizer,
                        batch_per_device=config.batch_per_device, seq_len=config.seq_len,
-                       activation_checkpointing=config.activation_checkpointing,
+                       activation_checkpointing=config.activation_checkpointing in (True, "full"),
                        shapes=shapes)
     compared = compare_units(specs, config.group_size)
     eff = efficiency or Efficiency()
@@ -195,7 +201,14 @@ def unit_times(u: UnitCost, hw: Hardware, config: StepConfig, eff: Efficiency) -
     hbm = hw.hbm_bandwidth
     fwd = (u.gemm_flops / (eff.gemm * hw.peak_flops) + u.attention_flops / (eff.attention * hw.peak_flops)
            + u.elementwise_bytes / (eff.elementwise * hbm))
-    recompute = fwd if config.activation_checkpointing else 0.0
+    ac = config.activation_checkpointing
+    if ac in (True, "full"):
+        recompute = fwd
+    elif ac == "selective-op":  # its elementwise kernels run again; attention's output is saved
+        recompute = (u.selective_op_gemm_flops / (eff.gemm * hw.peak_flops)
+                     + u.elementwise_bytes / (eff.elementwise * hbm))
+    else:
+        recompute = 0.0
     return UnitTimes(
         u.name,
         all_gather=collective_time("all_gather", hw, g, u.ag_shard_bytes, efficiency=eff.all_gather),

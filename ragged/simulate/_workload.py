@@ -21,7 +21,9 @@ Methods differ in three ways (``METHODS``):
 Compute per unit comes from the llama the memory plan models for the preset (``trained_llama``): a
 decoder layer does ``2 x`` its matmul parameters FLOPs per token forward plus attention's
 ``4 n_heads head_dim seq`` (PaLM's count, as ``flops_per_token``), the output unit ``2 vocab dim``,
-the embedding none. Backward is twice the forward, plus one forward when activations are recomputed.
+the embedding none. Backward is twice the forward, plus what activation checkpointing recomputes: the
+whole forward (full), or under torchtitan's selective op policy every second matmul of a layer's forward
+(``selective_op_gemm_flops``) and its elementwise kernels (attention's output is saved).
 Elementwise kernels (norms, rotary, SiLU, residuals) move ``ELEMENTWISE_PASSES`` times the bytes the
 memory plan saves per token and layer forward, twice that backward.
 """
@@ -82,6 +84,7 @@ class UnitCost:
     gemm_flops: float  # forward, this device's tokens
     attention_flops: float
     elementwise_bytes: float
+    selective_op_gemm_flops: float = 0.0  # the forward GEMM FLOPs torchtitan's selective op AC recomputes
 
     @property
     def buffer_numel(self) -> int:
@@ -105,15 +108,17 @@ def unit_costs(units: Sequence[UnitSpecs], method: str, group_size: int, c: Llam
     compared = compared if compared is not None else compare_units(units, group_size)
     layer_units = [u for u in units if u.name.startswith(LAYER_PREFIX)]
     per_layer = layer_flops(c, seq_len)
+    selective = 2.0 * sum(layer_matmuls(c)[1::2])  # per token: the 2nd, 4th, ... matmul of the forward
     share = c.n_layers / max(len(layer_units), 1)
     cb = compute_bytes
     out = []
     for i, (u, cmp) in enumerate(zip(units, compared)):
         buf = cmp.layout if method == "ours" else cmp.baselines[BASELINES.index(method)]
         s, g = buf.shard_size, group_size
-        gemm = attn = elem = 0.0
+        gemm = attn = elem = recomputed = 0.0
         if u.name.startswith(LAYER_PREFIX):
             gemm, attn, elem = (share * tokens * x for x in per_layer)
+            recomputed = share * tokens * selective
         elif i == len(units) - 1:
             gemm = tokens * 2.0 * c.vocab_size * c.dim
         copies = METHODS[method].copies
@@ -123,13 +128,22 @@ def unit_costs(units: Sequence[UnitSpecs], method: str, group_size: int, c: Llam
             ag_copy_out_bytes=2 * g * s * cb if copies else 0,
             rs_copy_in_bytes=g * s * (cb + reduce_bytes) if copies else 0,
             rs_copy_out_bytes=2 * s * reduce_bytes if copies else 0,
-            gemm_flops=gemm, attention_flops=attn, elementwise_bytes=elem))
+            gemm_flops=gemm, attention_flops=attn, elementwise_bytes=elem,
+            selective_op_gemm_flops=recomputed))
     return out
+
+
+def layer_matmuls(c: LlamaConfig) -> tuple[int, ...]:
+    """A decoder layer's matmul weights' sizes in the order its forward calls them: wq, wk, wv, wo, then
+    w1, w3, w2 (``w2(silu(w1 x) * w3 x)``, the llama's and torchtitan's order)."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    d, f = c.dim, c.ffn_dim
+    return d * q, d * kv, d * kv, q * d, d * f, d * f, f * d
 
 
 def layer_flops(c: LlamaConfig, seq_len: int, compute_bytes: int = 2) -> tuple[float, float, float]:
     """One decoder layer's forward per token: GEMM FLOPs, attention FLOPs, elementwise HBM bytes."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    matmul_params = 2 * c.dim * q + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
+    q = c.n_heads * c.head_dim
+    matmul_params = sum(layer_matmuls(c))
     saved = compute_bytes * (2 * c.dim + 6 * q + 4 * c.ffn_dim) + 2 * 4 * c.dim  # the memory plan's
     return 2.0 * matmul_params, 4.0 * q * seq_len, ELEMENTWISE_PASSES * float(saved)

@@ -226,6 +226,34 @@ def test_unit_flops_add_up_to_flops_per_token():
     assert attn == 4 * 4096 * 2048
 
 
+def test_recomputation_policies_against_hand_counts():
+    """Full recomputation adds one forward to backward; torchtitan's selective op policy (every second
+    matmul of a layer's forward, counted from 1, recomputed: Llama-3-8B's wk, wo, w3) adds those matmuls'
+    FLOPs and the layer's elementwise kernels; none adds nothing."""
+    c, _ = trained_llama("llama3-8b")
+    tokens = 2 * 1024
+
+    def layer(ac):
+        config = StepConfig(8, 1, 2, 1024, activation_checkpointing=ac)
+        r = simulate(model_shapes("llama3-8b"), c, H800, config, methods=["ours"])[0]
+        i = [u.name for u in r.units].index("layers.0")
+        return r.units[i], r.times[i]
+
+    u, none = layer(False)
+    assert u.selective_op_gemm_flops == tokens * 2 * (4096 * 1024 + 4096 * 4096 + 4096 * 14336)
+    eff = Efficiency()
+    _, full = layer("full")
+    _, selective = layer("selective-op")
+    assert none.backward == pytest.approx(2 * none.forward)
+    assert full.backward == pytest.approx(3 * full.forward)
+    extra = (u.selective_op_gemm_flops / (eff.gemm * H800.peak_flops)
+             + u.elementwise_bytes / (eff.elementwise * H800.hbm_bandwidth))
+    assert selective.backward == pytest.approx(2 * selective.forward + extra)
+    assert none.backward < selective.backward < full.backward
+    with pytest.raises(RaggedError, match="activation_checkpointing"):
+        StepConfig(8, activation_checkpointing="sometimes")
+
+
 def _times(name, ag=0.0, rs=0.0, fwd=0.0, bwd=0.0, co=0.0):
     return UnitTimes(name, ag, rs, 0.0, 0.0, co, 0.0, 0.0, fwd, bwd)
 
@@ -320,6 +348,12 @@ def test_cli_simulate_errors(tmp_path, capsys):
     args = ["simulate", "--model", "llama3.2-1b", "--gpus", "8", "--methods", "ours", "--json", "-"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["padding_ratio"] < 0.01
+    args = ["simulate", "--model", "llama3-8b", "--gpus", "8", "--methods", "fsdp2", "--json", "-"]
+    steps = {}
+    for ac in ("none", "selective-op", "full"):
+        assert main([*args, "--activation-checkpointing", ac]) == 0
+        steps[ac] = json.loads(capsys.readouterr().out)["results"][0]["step_s"]
+    assert steps["none"] < steps["selective-op"] < steps["full"]
     assert main(["simulate", "--model", "gpt-5", "--gpus", "8"]) == 2
     assert "unknown model" in capsys.readouterr().err
 
