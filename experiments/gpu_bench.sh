@@ -6,7 +6,8 @@
 # Stages, most important first, each under its own `timeout` and each writing its own files, so one
 # failure costs only its own slot (and a stage that could pass the budget is skipped): gpu_check (the
 # CUDA/NCCL paths); experiments.train on a ~1B llama (llama3.2-1b shapes, bf16, world size 1 on NCCL)
-# with AdamW; torch_vs_fsdp2 (fully_shard vs FSDP2, same model); the same training on JAX; jax_vs_gspmd
+# with AdamW; torch_vs_fsdp2 (fully_shard vs FSDP2, same model); the same training on JAX; a calibration
+# file for ragged simulate (calibrate_layer); jax_vs_gspmd
 # once it takes GPU flags; 8-bit Adam and Muon training; the optimizers' own benchmarks (marked lines).
 # Then one summary (gpu_bench.md/.json) of whatever finished. Without a GPU it says so and exits with
 # status 2, writing nothing.
@@ -53,6 +54,10 @@ train torch adamw 60
 stage torch_vs_fsdp2 120 "$PYTHON" -m experiments.torch_vs_fsdp2 --device cuda --world 1 --model llama3.2-1b \
     --dtype bf16 --batch 4 --seq 2048 --warmup 2 --steps 6 --models llama --out "$RESULTS/gpu_torch_vs_fsdp2"
 train jax adamw 90
+# One decoder layer's forward and backward on this GPU, the calibration file ragged simulate takes
+# (docs/simulate.md); at one GPU the collectives move nothing and are not measured.
+stage calibrate_layer 60 "$PYTHON" -m experiments.calibrate_layer --model llama3.2-1b --world 1 --device cuda \
+    --dtype bf16 --batch 4 --seq-len 2048 --out "$RESULTS/gpu_calibration.json"
 # JAX backend vs GSPMD on the same GPU: experiments/jax_vs_gspmd.py once it takes GPU flags.
 if "$PYTHON" -m experiments.jax_vs_gspmd --help 2>/dev/null | grep -q -- "--platform"; then
     stage jax_vs_gspmd 60 "$PYTHON" -m experiments.jax_vs_gspmd --platform gpu --devices 1 \

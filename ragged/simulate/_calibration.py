@@ -27,7 +27,7 @@ from ragged import RaggedError
 from ragged.models import LlamaConfig, ModelShapes, UnitSpecs, model_units
 from ragged.simulate._efficiency import Efficiency
 from ragged.simulate._hardware import Hardware
-from ragged.simulate._step import StepConfig, unit_times
+from ragged.simulate._step import DTYPE_BYTES, StepConfig, unit_times
 from ragged.simulate._workload import unit_costs
 
 FORMAT = "ragged-simulate-calibration/1"
@@ -116,7 +116,7 @@ def calibrate(cal: Calibration, units: ModelShapes | Sequence[UnitSpecs], c: Lla
         raise RaggedError(f"calibrate: unit {cal.unit!r} is not in the model (units: {names[:3]}...)")
     config = cal.config()
     cost = unit_costs(specs, cal.method, config.group_size, c, tokens=config.tokens_per_device,
-                      seq_len=config.seq_len)[names.index(cal.unit)]
+                      seq_len=config.seq_len, compute_bytes=DTYPE_BYTES[config.dtype])[names.index(cal.unit)]
     eff = base or Efficiency()
     notes = dict(eff.sources)
     for target in dict.fromkeys(MEASURED[k] for k in cal.measured_ms):
