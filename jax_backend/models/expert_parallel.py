@@ -84,7 +84,7 @@ class ExpertParallelMoE(nnx.Module):
         expert = chosen.reshape(n * k)  # (N k,) token-major, as numbered
         one_hot = jax.nn.one_hot(expert, e, dtype=jnp.int32)  # (N k, E)
         slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=1)  # (N k,) number within expert
-        self.dropped.value = jnp.sum(slot >= cap, dtype=jnp.int32)
+        self.dropped[...] = jnp.sum(slot >= cap, dtype=jnp.int32)
         rows = tokens[jnp.repeat(jnp.arange(n), k)]  # (N k, dim)
         send = jnp.zeros((e, cap, d), x.dtype).at[expert, slot].set(rows, mode="drop")  # slot >= C: dropped
         # (ep, E/ep, C, dim): block i goes to EP rank i, which receives one block per source rank
