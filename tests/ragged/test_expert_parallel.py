@@ -43,7 +43,8 @@ def test_each_ep_rank_holds_its_experts_where_the_local_plan_puts_them(name, ep,
         for i in range(ep):  # rank i's local tensors, taken from the full model by expert index
             lo = i * n_local
             if c.experts == "fused":
-                mine = {fqn: full[fqn][lo:lo + n_local] for fqn, _ in expert_shapes(unit.name, c, c.n_experts)}
+                fused = expert_shapes(unit.name, c, c.n_experts)
+                mine = {fqn: full[fqn][lo:lo + n_local] for fqn, _ in fused}
             else:
                 mine = {f"{unit.name}.{j}.{w}.weight": full[f"{unit.name}.{lo + j}.{w}.weight"]
                         for j in range(n_local) for w in ("w1", "w2", "w3")}
