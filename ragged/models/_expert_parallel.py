@@ -57,11 +57,6 @@ class ExpertParallelUnit:
     def name(self) -> str:
         return self.layout.name
 
-    def local_name(self, composed: str) -> str:
-        """The EP model's name of the tensor ``composed`` of ``layout`` (on its own EP rank)."""
-        i = next(k for k, t in enumerate(self.layout.tensors) if t.name == composed)
-        return self.local.tensors[i % len(self.local.tensors)].name
-
 
 def _sources(prefix: str, c: MoeConfig, ep_rank: int, n_local: int) -> list[ExpertSource]:
     """The full-model tensors (rows) EP rank ``ep_rank``'s local expert tensors hold, in local order."""

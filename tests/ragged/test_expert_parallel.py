@@ -55,10 +55,12 @@ def test_each_ep_rank_holds_its_experts_where_the_local_plan_puts_them(name, ep,
         assert math.isclose(unit.layout.padding_ratio, unit.local.padding_ratio)
 
 
-def test_local_names_of_composed_tensors():
+def test_composed_tensors_are_named_after_what_they_hold():
     unit = plan_expert_parallel(MOE_CONFIGS["gpt-oss-tiny"], 2, 2)[0]
     assert unit.layout.tensors[4].name == "layers.0.feed_forward.experts.gate_up_proj[4:8]"
-    assert unit.local_name(unit.layout.tensors[4].name) == "layers.0.feed_forward.experts.gate_up_proj"
+    assert unit.sources[4] == ("layers.0.feed_forward.experts.gate_up_proj", 4, 8)
+    unit = plan_expert_parallel(MOE_CONFIGS["mixtral-tiny"], 2, 2)[0]
+    assert unit.layout.tensors[12].name == unit.sources[12].fqn == "layers.0.feed_forward.experts.4.w1.weight"
 
 
 @pytest.mark.parametrize("ep,fsdp", [(3, 2), (0, 4), (2, 0)])
