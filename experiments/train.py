@@ -12,8 +12,8 @@ progress bar with loss, tokens/s, MFU and peak memory, writes a JSON line per st
 ``--save-interval`` steps; a relaunch with the same ``--checkpoint-dir`` resumes from the newest one.
 Models: see ``ragged.models.trained_model_names()``: the llamas, and the mixture-of-experts presets
 (``mixtral-8x7b``, ``gpt-oss-120b``, ``deepseek-v3`` at full size, ``*-tiny`` at CPU size), which the torch
-stack trains as MoE decoders (docs/moe.md) and the JAX stack, for now, as a dense stand-in with the same
-active width (``ragged.models.trained_llama``). Cluster recipes: docs/cluster.md.
+stack trains as MoE decoders (docs/moe.md) and the JAX stack as MoE decoders with expert parallelism
+(``--ep``, default 1) composed with FSDP. Cluster recipes: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--granularity", default="auto",
                    help="matrix granularity (rows:N, tiles:RxC, element, ...); auto: rows:1, 32x32 tiles for "
                         "adam8bit")
+    p.add_argument("--ep", type=int, default=1,
+                   help="JAX, MoE models: expert-parallel degree (each EP rank keeps E/ep experts of every "
+                        "MoE layer, sharded over world / (hsdp * ep) devices; docs/moe.md)")
     p.add_argument("--optimizer", choices=("adamw", "adam8bit", "muon"), default="adamw")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -104,8 +107,9 @@ def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig | ra
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     config, modelled = ragged.models.trained_model(args.model)
-    if args.stack == "jax" and isinstance(config, ragged.models.MoeConfig):
-        config, modelled = ragged.models.trained_llama(args.model)  # JAX MoE training is not wired yet
+    if args.ep != 1 and not (args.stack == "jax" and isinstance(config, ragged.models.MoeConfig)):
+        raise SystemExit(f"--ep {args.ep}: expert parallelism is for MoE models on --stack jax here "
+                         f"(got --stack {args.stack} --model {args.model})")
 
     def plan_check(world: int, capacity: int, rank0: bool) -> None:
         """Every rank computes the same plan from the same (agreed) capacity, so all refuse or none."""
@@ -126,8 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{args.model}: {modelled}")
         print(memory_plan(args, config, gpus).describe())
         return {}
-    settings = {k: getattr(args, k) for k in ("stack", "model", "hsdp", "granularity", "optimizer", "lr",
-                                              "weight_decay", "dtype", "batch", "seq_len", "seed", "data")}
+    settings = {k: getattr(args, k) for k in ("stack", "model", "hsdp", "ep", "granularity", "optimizer",
+                                              "lr", "weight_decay", "dtype", "batch", "seq_len", "seed",
+                                              "data")}
     if args.stack == "torch":
         from experiments._train import torch_run
 

@@ -11,6 +11,7 @@ planned with.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,18 +30,32 @@ class LayoutMismatchError(ragged.RaggedError):
     """Parameters, a mesh or a world size that do not match the planned Layouts."""
 
 
-def check_mesh(mesh: Mesh, layouts: Sequence[Layout], axis: str, replica_axis: str | None = None) -> None:
+# The shard axis: one mesh axis, or several taken as one (major first), as a PartitionSpec entry takes them.
+Axis = str | tuple[str, ...]
+
+
+def axis_names(axis: Axis) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def axis_size(mesh: Mesh, axis: Axis) -> int:
+    """Devices along ``axis`` (the product of its mesh axes' sizes)."""
+    return math.prod(mesh.shape[a] for a in axis_names(axis))
+
+
+def check_mesh(mesh: Mesh, layouts: Sequence[Layout], axis: Axis, replica_axis: str | None = None) -> None:
     """Raise ``LayoutMismatchError`` unless ``axis`` (and ``replica_axis``) exist and match the Layouts."""
     names = tuple(mesh.axis_names)
-    for role, name in (("axis", axis), ("replica_axis", replica_axis)):
+    for role, name in [*(("axis", a) for a in axis_names(axis)), ("replica_axis", replica_axis)]:
         if name is not None and name not in names:
             raise LayoutMismatchError(
                 f"{role}={name!r} is not an axis of the mesh (its axes are {names}, shape "
                 f"{dict(mesh.shape)}); pass one of {names}"
             )
-    if replica_axis == axis:
-        raise LayoutMismatchError(f"replica_axis and axis are both {axis!r}; HSDP needs two distinct axes")
-    size = mesh.shape[axis]
+    if replica_axis in axis_names(axis):
+        raise LayoutMismatchError(f"replica_axis and axis both hold {replica_axis!r}; HSDP needs two "
+                                  "distinct axes")
+    size = axis_size(mesh, axis)
     for layout in layouts:
         if layout.world_size != size:
             raise LayoutMismatchError(
@@ -124,7 +139,7 @@ unpack_unit.defvjp(lambda buffer, layout: (_slices(buffer, layout), None),
                    lambda layout, _, grads: (pack_unit(grads, layout),))
 
 
-def buffer_sharding(mesh: Mesh, axis: str) -> NamedSharding:
+def buffer_sharding(mesh: Mesh, axis: Axis) -> NamedSharding:
     """Buffers are split over ``axis`` and replicated over every other mesh axis (HSDP replicas)."""
     return NamedSharding(mesh, PartitionSpec(axis))
 
@@ -138,7 +153,7 @@ def _onto(x: Any, mesh: Mesh) -> Any:
 
 
 def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mesh,
-                 axis: str) -> dict[str, jax.Array]:
+                 axis: Axis) -> dict[str, jax.Array]:
     """Full parameters ``{fqn: array}`` -> ``{unit: buffer}``, each ``NamedSharding(mesh, P(axis))``.
 
     Raises:

@@ -24,7 +24,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_backend._buffers import (
+    Axis,
     LayoutMismatchError,
+    axis_names,
+    axis_size,
     buffer_sharding,
     check_mesh,
     full_params,
@@ -74,7 +77,7 @@ class FSDP:
         mesh: the device mesh (``Auto`` axes; see ``make_mesh``).
         layouts: one core ``Layout`` per unit, planned for ``mesh.shape[axis]`` devices.
         model: the model's forward on gathered units and its parameter pytree (``ShardedModel``).
-        axis: the mesh axis the buffers are sharded over.
+        axis: the mesh axis the buffers are sharded over, or several taken as one (``("ep", "fsdp")``).
         replica_axis: for HSDP, the mesh axis the shards are replicated over (gradients all-reduced).
         mp_policy: mixed precision (compute and reduce dtypes).
         remat: keep only each unit's shard and input from its forward; the backward re-gathers the unit
@@ -82,6 +85,10 @@ class FSDP:
         reshard_after_forward: free each unit's gathered parameters after its forward and re-gather them in
             its backward, keeping its activations (FSDP2's option of that name); ``None``: as ``remat``.
             Off by default, unlike torch's: docs/glossary.md says why.
+        expert_layouts: units gathered over ``expert_axis`` only (expert parallelism: each EP rank's
+            experts, ``ragged.models.ExpertParallelUnit``): ``{unit: its layout over expert_axis}``, under
+            the model's names; ``layouts`` holds the unit's composition over ``axis`` (its buffer).
+        expert_axis: the part of ``axis`` expert units are sharded over (``"fsdp"``).
 
     Raises:
         LayoutMismatchError: an axis not in the mesh, or a world size the Layouts were not planned for.
@@ -91,11 +98,13 @@ class FSDP:
     mesh: Mesh
     layouts: tuple[Layout, ...]
     model: ShardedModel
-    axis: str = "fsdp"
+    axis: Axis = "fsdp"
     replica_axis: str | None = None
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     remat: bool = False
     reshard_after_forward: bool | None = None
+    expert_layouts: Mapping[str, Layout] = field(default_factory=dict)
+    expert_axis: str | None = None
 
     def __post_init__(self) -> None:
         if self.remat and self.reshard_after_forward is False:
@@ -103,20 +112,37 @@ class FSDP:
                              "the unit's input); it cannot be combined with reshard_after_forward=False")
         object.__setattr__(self, "layouts", tuple(self.layouts))
         check_mesh(self.mesh, self.layouts, self.axis, self.replica_axis)
+        if self.expert_layouts:
+            self._check_expert_layouts()
+
+    def _check_expert_layouts(self) -> None:
+        """Each expert unit's layout over ``expert_axis`` must tile its buffer over ``axis`` a whole number
+        of times (one copy per EP rank)."""
+        if self.expert_axis not in axis_names(self.axis):
+            raise LayoutMismatchError(f"expert_axis={self.expert_axis!r} must be one of the shard axes "
+                                      f"{axis_names(self.axis)}")
+        whole = {lay.name: lay for lay in self.layouts}
+        copies = axis_size(self.mesh, self.axis) // self.mesh.shape[self.expert_axis]
+        for unit, local in self.expert_layouts.items():
+            if unit not in whole or local.world_size != self.mesh.shape[self.expert_axis] or (
+                    whole[unit].total_numel != copies * local.total_numel):
+                raise LayoutMismatchError(
+                    f"expert unit {unit!r}: its layout over {self.expert_axis!r} ({local.world_size} x "
+                    f"{local.shard_size}) must be planned for mesh axis {self.expert_axis!r} "
+                    f"({self.mesh.shape[self.expert_axis]} devices) and tile the unit's buffer in "
+                    f"`layouts` {copies} times (ragged.models.plan_expert_parallel)")
 
     # ----- layout of data over the mesh --------------------------------------------------------------
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The batch is split over every device: replicas first, then shards."""
-        return (self.axis,) if self.replica_axis is None else (self.replica_axis, self.axis)
+        shard = axis_names(self.axis)
+        return shard if self.replica_axis is None else (self.replica_axis, *shard)
 
     @property
     def data_size(self) -> int:
         """Devices the batch is split over."""
-        size = 1
-        for a in self.data_axes:
-            size *= self.mesh.shape[a]
-        return size
+        return axis_size(self.mesh, self.data_axes)
 
     def _buffer_specs(self) -> dict[str, P]:
         return {lay.name: P(self.axis) for lay in self.layouts}
@@ -168,6 +194,9 @@ class FSDP:
         constructor or params init) runs inside it and XLA keeps only this unit's tensors (the others are
         dead code), so no device holds more than this unit in full."""
         layout = next(lay for lay in self.layouts if lay.name == unit)
+        if unit in self.expert_layouts:
+            raise LayoutMismatchError(f"expert unit {unit!r} holds other experts on each EP rank: shard the "
+                                      "full model's parameters instead (ExpertParallel.shard_params)")
 
         def init() -> jax.Array:
             params = self.model.flatten(make())
@@ -225,7 +254,8 @@ class FSDP:
         each unit where it is used; returns the output and the model state after the forward."""
         units = Units(local, self.layouts, axis=self.axis, replica_axis=self.replica_axis,
                       mp_policy=self.mp_policy, remat=self.remat,
-                      reshard_after_forward=self.reshard_after_forward)
+                      reshard_after_forward=self.reshard_after_forward, expert_layouts=self.expert_layouts,
+                      expert_axis=self.expert_axis)
         return self.model.forward(units, state, inputs)
 
     def check_batch(self, batches: Any) -> None:

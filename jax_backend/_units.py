@@ -57,7 +57,7 @@ class MixedPrecisionPolicy:
 class _Comm(NamedTuple):
     """Static arguments of the unit gather (hashable, so they can be ``nondiff_argnums``)."""
 
-    axis: str
+    axis: str | tuple[str, ...]
     replica_axis: str | None
     param_dtype: Any
     reduce_dtype: Any
@@ -206,23 +206,29 @@ class Units:
         local: this device's shard ``(S,)`` of each unit's buffer, ``{unit: shard}``.
         layouts: the units' Layouts; axis, replica_axis: the mesh axes of the shards and of the replicas.
         mp_policy: the compute and reduce dtypes; remat, reshard_after_forward: as ``FSDP``'s.
+        expert_layouts, expert_axis: units gathered over ``expert_axis`` (a part of ``axis``) only, each
+            unpacked by its layout there (an EP rank's experts: ``FSDP.expert_layouts``).
     """
 
-    def __init__(self, local: Mapping[str, jax.Array], layouts: Sequence[Layout], *, axis: str,
-                 replica_axis: str | None, mp_policy: MixedPrecisionPolicy, remat: bool,
-                 reshard_after_forward: bool | None):
+    def __init__(self, local: Mapping[str, jax.Array], layouts: Sequence[Layout], *,
+                 axis: str | tuple[str, ...], replica_axis: str | None, mp_policy: MixedPrecisionPolicy,
+                 remat: bool, reshard_after_forward: bool | None,
+                 expert_layouts: Mapping[str, Layout] | None = None, expert_axis: str | None = None):
         self.local, self.layouts = local, {lay.name: lay for lay in layouts}
+        self.layouts.update(expert_layouts or {})
+        self.axes = {u: expert_axis if u in (expert_layouts or {}) else axis for u in self.layouts}
         self.axis, self.replica_axis, self.mp_policy = axis, replica_axis, mp_policy
         self.remat, self.reshard_after_forward = remat, reshard_after_forward
 
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split over (replicas first): sync BN averages over them."""
-        return (self.axis,) if self.replica_axis is None else (self.replica_axis, self.axis)
+        shard = (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
+        return shard if self.replica_axis is None else (self.replica_axis, *shard)
 
     def _comm(self, unit: str) -> _Comm:
         master, mp = self.local[unit].dtype, self.mp_policy
-        return _Comm(self.axis, self.replica_axis, mp.param_dtype or master, mp.reduce_dtype or master,
+        return _Comm(self.axes[unit], self.replica_axis, mp.param_dtype or master, mp.reduce_dtype or master,
                      master)
 
     def gather(self, unit: str) -> dict[str, jax.Array]:

@@ -4,13 +4,16 @@ Processes join with ``jax.distributed.initialize()`` (cluster auto-detection: SL
 ``JAX_COORDINATOR_ADDRESS``; or explicit ``--coordinator/--num-processes/--process-id``). The model is built
 abstractly (``nnx.eval_shape``, nothing allocated) and sharded by the llama's ``parallelize``; each unit
 buffer is then initialised by ``FSDP.init_params``, one jitted program per unit whose output is sharded over
-the mesh: the values equal ``Llama(config, rngs=nnx.Rngs(seed))`` at every device count. A checkpoint is
-each process's addressable shards of the buffers and the optimizer state (``process_<i>.npz``), so a
-resume needs the same mesh, and restores every bit.
+the mesh: the values equal ``Llama(config, rngs=nnx.Rngs(seed))`` at every device count. An MoE preset
+trains as the MoE decoder under ``parallelize_moe`` on a ``(replica?, ep, fsdp)`` mesh (``--ep``): it is
+built in full on each process and sharded (``ExpertParallel.shard_params``), so CPU-sized presets only.
+A checkpoint is each process's addressable shards of the buffers and the optimizer state
+(``process_<i>.npz``), so a resume needs the same mesh, and restores every bit.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import time
@@ -77,6 +80,24 @@ def build(args, name: str, config: ragged.models.LlamaConfig, mesh, replicas: in
                        preset=name)
 
 
+def build_moe(args, config: ragged.models.MoeConfig, mesh, replicas: int):
+    """The MoE decoder (built in full) under ``parallelize_moe``: the runtime and the sharded parameters."""
+    from flax import nnx
+
+    from jax_backend import MixedPrecisionPolicy
+    from jax_backend.models import model_params
+    from jax_backend.models.expert_parallel import parallelize_moe
+    from jax_backend.models.moe import MoEDecoder
+
+    model = MoEDecoder(config, rngs=nnx.Rngs(args.seed))
+    bf16 = args.dtype == "bf16"
+    mp_policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32) if bf16 else MixedPrecisionPolicy()
+    granularity = "rows:1" if args.granularity == "auto" else args.granularity
+    runtime = parallelize_moe(model, mesh, replica_axis="replica" if replicas > 1 else None,
+                              granularity=granularity, mp_policy=mp_policy)
+    return runtime, runtime.shard_params(model_params(model))
+
+
 def optimizer(args, fsdp):
     import optax
 
@@ -85,6 +106,9 @@ def optimizer(args, fsdp):
 
     if args.optimizer == "adamw":
         return optax.adamw(args.lr, weight_decay=args.weight_decay)
+    if fsdp.expert_layouts:
+        raise SystemExit(f"--optimizer {args.optimizer}: expert parallelism takes element-wise optimizers "
+                         "(adamw) for now (docs/moe.md)")
     if args.optimizer == "adam8bit":
         tiles = shard_tiles(fsdp.layouts, fsdp.axis)
         return on_shards(adamw8bit(args.lr, weight_decay=args.weight_decay, tiles=tiles))
@@ -127,7 +151,8 @@ def collective_bytes(fsdp) -> int:
     for layout in fsdp.layouts:
         param = jnp.dtype(fsdp.mp_policy.param_dtype or jnp.float32).itemsize
         reduce = jnp.dtype(fsdp.mp_policy.reduce_dtype or fsdp.mp_policy.param_dtype or jnp.float32).itemsize
-        total += layout.total_numel * (param * (2 if fsdp.remat else 1) + reduce)
+        gathered = fsdp.expert_layouts.get(layout.name, layout)  # EP: an experts unit gathers over fsdp only
+        total += gathered.total_numel * (param * (2 if fsdp.remat else 1) + reduce)
         if fsdp.replica_axis is not None:
             total += layout.shard_size * reduce
     return total
@@ -138,7 +163,8 @@ def _peak_memory() -> int:
     return int(stats.get("peak_bytes_in_use", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
-def run(args, name: str, config: ragged.models.LlamaConfig, plan_check, settings: dict) -> dict:
+def run(args, name: str, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_check,
+        settings: dict) -> dict:
     from jax_backend import make_mesh
     from jax_backend.models import cross_entropy
 
@@ -148,28 +174,42 @@ def run(args, name: str, config: ragged.models.LlamaConfig, plan_check, settings
     if jax.process_count() > 1:  # one number on every process: all refuse, or none (MiB: JAX ints are 32-bit)
         capacity = int(np.min(multihost_utils.process_allgather(np.int32(capacity >> 20)))) << 20
     plan_check(world, capacity, rank0)
-    replicas = args.replicas
-    mesh = (make_mesh((world,), ("fsdp",)) if replicas == 1 else
-            make_mesh((replicas, world // replicas), ("replica", "fsdp")))
+    replicas, moe = args.replicas, isinstance(config, ragged.models.MoeConfig)
+    if moe:
+        if world % (replicas * args.ep):
+            raise SystemExit(f"--ep {args.ep} x --hsdp {replicas} must divide the {world} devices")
+        shape = (replicas, args.ep, world // (replicas * args.ep))
+        mesh = make_mesh(shape, ("replica", "ep", "fsdp")) if replicas > 1 else \
+            make_mesh(shape[1:], ("ep", "fsdp"))
+    else:
+        mesh = (make_mesh((world,), ("fsdp",)) if replicas == 1 else
+                make_mesh((replicas, world // replicas), ("replica", "fsdp")))
     ckpt_root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt_root is not None:
         if rank0:
             checkpoints.check_settings(ckpt_root, settings, write=True)
         multihost_utils.sync_global_devices("settings")
         checkpoints.check_settings(ckpt_root, settings, write=False)
-    fsdp = build(args, name, config, mesh, replicas)
+    if moe:
+        from jax_backend.models.moe import moe_loss
+
+        runtime, buffers = build_moe(args, config, mesh, replicas)
+        fsdp, model_state = runtime.fsdp, runtime.init_model_state()  # model state: the drop counts
+        loss_fn = functools.partial(moe_loss, aux_loss_coef=config.aux_loss_coef)
+    else:
+        from flax import nnx
+
+        from jax_backend.models import Llama
+
+        fsdp, model_state, loss_fn = build(args, name, config, mesh, replicas), None, cross_entropy
+        buffers = fsdp.init_params(lambda: Llama(config, rngs=nnx.Rngs(args.seed)))  # one unit at a time
     opt = optimizer(args, fsdp)
-    from flax import nnx
-
-    from jax_backend.models import Llama
-
-    buffers = fsdp.init_params(lambda: Llama(config, rngs=nnx.Rngs(args.seed)))  # one unit at a time
     state = fsdp.init(opt, buffers)
     first = 0
     if (found := checkpoints.latest(ckpt_root)) is not None:
         first, path = found
         buffers, state = load(path, (buffers, state))
-    step_fn = fsdp.train_step(opt, cross_entropy)
+    step_fn = fsdp.train_step(opt, loss_fn)
     comm_bytes = collective_bytes(fsdp)
     data = TokenSource(config.vocab_size, args.seq_len, args.batch, args.seed, args.data, args.data_dtype)
     batch_sharding = NamedSharding(mesh, P(fsdp.data_axes))
@@ -188,7 +228,10 @@ def run(args, name: str, config: ragged.models.LlamaConfig, plan_check, settings
             x, y = (jax.make_array_from_process_local_data(batch_sharding, a, (args.batch, args.seq_len))
                     for a in (tokens[:, :-1], tokens[:, 1:]))
             t0 = time.perf_counter()
-            buffers, state, loss = step_fn(buffers, state, x, y)
+            if model_state is None:
+                buffers, state, loss = step_fn(buffers, state, x, y)
+            else:
+                buffers, state, loss, model_state = step_fn(buffers, state, x, y, model_state)
             loss_value = float(loss)  # waits for the step
             monitor.step(step, loss_value, time.perf_counter() - t0, None, _peak_memory(), comm_bytes)
             if args.fail_after_step is not None and step == args.fail_after_step:

@@ -6,11 +6,13 @@ tensors with biases, as GPT-OSS), MoE (router, experts, shared expert), Transfor
 The attention, norms and SwiGLU are the llama's (``llama.py``); ``ragged.models.MoeConfig`` says what
 each option means and ``ragged.models.moe_shapes`` lists the parameters under these paths.
 
-Tokens reach their experts by dense dispatch: every expert runs on every token and a one-hot combine
-matrix (zero where a token did not choose the expert) sums the chosen outputs. No shape depends on the
-routing, so it jits once, and the values and gradients equal the torch model's gather / ``index_add`` loop
-(an expert a token did not choose contributes an exact zero). It costs ``E / top_k`` times the routed
-FLOPs: the dispatch for correctness at CPU sizes, not for speed. No parallelism code lives here.
+Both expert modules map ``(E, C, dim)`` to ``(E, C, dim)``: each expert on its own rows. Here tokens reach
+their experts by dense dispatch: every expert runs on every token (its rows are all ``N`` tokens) and a
+one-hot combine matrix (zero where a token did not choose the expert) sums the chosen outputs. No shape
+depends on the routing, so it jits once, and the values and gradients equal the torch model's gather /
+``index_add`` loop (an expert a token did not choose contributes an exact zero). It costs ``E / top_k``
+times the routed FLOPs: the dispatch for correctness at CPU sizes, not for speed. No parallelism code
+lives here (expert parallelism sends each expert only its tokens: ``expert_parallel.py``).
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ class ExpertList(nnx.List):
         super().__init__([FeedForward(c.llama(c.expert_dim), rngs=rngs) for _ in range(c.n_experts)])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: (N, dim) -> every expert's output (E, N, dim)."""
-        return jnp.stack([expert(x) for expert in self])
+        """x: (E, C, dim), expert e's rows x[e] -> (E, C, dim)."""
+        return jnp.stack([expert(rows) for expert, rows in zip(self, x, strict=True)])
 
 
 class FusedExperts(nnx.Module):
@@ -88,10 +90,10 @@ class FusedExperts(nnx.Module):
         self.down_proj_bias = nnx.Param(jnp.zeros((e, d)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: (N, dim) -> every expert's output (E, N, dim)."""
-        h = jnp.einsum("nd,edf->enf", x, self.gate_up_proj[...]) + self.gate_up_proj_bias[...][:, None]
-        gate, up = h[..., ::2], h[..., 1::2]  # (E, N, f) each
-        y = jnp.einsum("enf,efd->end", jax.nn.silu(gate) * up, self.down_proj[...])
+        """x: (E, C, dim), expert e's rows x[e] -> (E, C, dim)."""
+        h = jnp.einsum("ecd,edf->ecf", x, self.gate_up_proj[...]) + self.gate_up_proj_bias[...][:, None]
+        gate, up = h[..., ::2], h[..., 1::2]  # (E, C, f) each
+        y = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, self.down_proj[...])
         return y + self.down_proj_bias[...][:, None]
 
 
@@ -108,7 +110,8 @@ class MoE(nnx.Module):
         b, t, d = x.shape
         tokens = x.reshape(b * t, d)  # (N, dim)
         weights, chosen, probs = self.router(tokens)
-        out = route_tokens(self.experts(tokens), weights, chosen)
+        every_token = jnp.broadcast_to(tokens, (probs.shape[-1], b * t, d))  # (E, N, dim)
+        out = route_tokens(self.experts(every_token), weights, chosen)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         return out.reshape(b, t, d), load_balancing_loss(probs, chosen)
@@ -128,10 +131,10 @@ class TransformerBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         h = x + self.attention(self.attention_norm(x))
-        if isinstance(self.feed_forward, MoE):
-            out, aux = self.feed_forward(self.ffn_norm(h))
-        else:
+        if isinstance(self.feed_forward, FeedForward):  # dense; else an MoE (or its expert-parallel form)
             out, aux = self.feed_forward(self.ffn_norm(h)), jnp.zeros((), jnp.float32)
+        else:
+            out, aux = self.feed_forward(self.ffn_norm(h))
         return h + out, aux
 
 

@@ -3,7 +3,8 @@
 - presets of public models: ``model_names``, ``model_shapes`` (a ``ModelShapes``: its ``UnitShapes``),
   ``LlamaConfig``, ``llama_shapes``, ``LLAMA_TINY`` (the llama both runtimes train);
 - mixture-of-experts decoders: ``MoeConfig``, ``MOE_CONFIGS`` (full-size presets and CPU-sized ``*-tiny``
-  ones), ``moe_shapes``;
+  ones), ``moe_shapes``, ``expert_shapes``; expert parallelism composed with FSDP:
+  ``plan_expert_parallel`` (an ``ExpertParallelUnit`` per MoE layer, its tensors' ``ExpertSource``);
 - your own model: ``read_shapes_file`` / ``parse_shapes`` (JSON), ``model_units`` (a preset's units with
   granularities resolved); both give ``UnitSpecs``;
 - estimates: ``memory_plan`` / ``MemoryPlan`` (per-device memory of a training run), ``flops_per_token``,
@@ -15,6 +16,7 @@
 """
 
 from ragged._units import ModelShapes, UnitShapes, UnitSpecs
+from ragged.models._expert_parallel import ExpertParallelUnit, ExpertSource, plan_expert_parallel
 from ragged.models._memory import (
     MemoryPlan,
     flops_per_token,
@@ -25,7 +27,7 @@ from ragged.models._memory import (
     trained_model_names,
     trained_shapes,
 )
-from ragged.models._moe import MOE_CONFIGS, MoeConfig, moe_shapes
+from ragged.models._moe import MOE_CONFIGS, MoeConfig, expert_shapes, moe_shapes
 from ragged.models._presets import LLAMA_TINY, LlamaConfig, llama_shapes, model_names, model_shapes
 from ragged.models._shapes_file import model_units, parse_shapes, read_shapes_file
 
@@ -41,6 +43,10 @@ __all__ = [
     "MoeConfig",
     "MOE_CONFIGS",
     "moe_shapes",
+    "expert_shapes",
+    "ExpertParallelUnit",
+    "ExpertSource",
+    "plan_expert_parallel",
     "model_units",
     "parse_shapes",
     "read_shapes_file",

@@ -18,10 +18,10 @@ over the rest) and adds up what one device holds during a step:
   is kept, plus one layer recomputed;
 - logits: ``tokens x vocab`` in the compute dtype, fp32 for the loss, and its fp32 gradient.
 
-``trained_model(name)`` is the model the torch runtime builds for a preset: a ``LlamaConfig`` for the
+``trained_model(name)`` is the model both runtimes build for a preset: a ``LlamaConfig`` for the
 llamas, an ``MoeConfig`` for the mixture-of-experts presets (``ragged.models._moe``), each with the shapes
-``trained_shapes`` lists. ``trained_llama(name)`` is the dense stand-in the simulator and the JAX runtime
-still use for the MoE presets: the preset's embedding, attention and depth with a feed-forward as wide as
+``trained_shapes`` lists. ``trained_llama(name)`` is the dense stand-in the simulator still uses for the
+MoE presets: the preset's embedding, attention and depth with a feed-forward as wide as
 what one token goes through (the same FLOPs per token; its parameter count is the *active* count).
 """
 
@@ -67,7 +67,7 @@ def _known(name: str) -> None:
 
 
 def trained_model(name: str) -> tuple[ModelConfig, str]:
-    """The model the torch runtime trains for preset ``name`` and one line saying what it is."""
+    """The model both runtimes train for preset ``name`` and one line saying what it is."""
     _known(name)
     if name in MOE_CONFIGS:
         return MOE_CONFIGS[name], _describe(MOE_CONFIGS[name])
@@ -81,7 +81,7 @@ def trained_shapes(name: str, c: ModelConfig) -> ModelShapes:
 
 def trained_llama(name: str) -> tuple[LlamaConfig, str]:
     """A dense llama for preset ``name`` and one line saying what it models (for MoE presets, the stand-in
-    with the active feed-forward width that the simulator and the JAX runtime use)."""
+    with the active feed-forward width that the simulator uses)."""
     _known(name)
     if name in MOE_CONFIGS:
         c = MOE_CONFIGS[name]

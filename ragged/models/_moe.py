@@ -91,17 +91,21 @@ def _swiglu(p: str, dim: int, ffn: int) -> list:
     return [(f"{p}.w1.weight", (ffn, dim)), (f"{p}.w2.weight", (dim, ffn)), (f"{p}.w3.weight", (ffn, dim))]
 
 
+def expert_shapes(q: str, c: MoeConfig, n_experts: int) -> list:
+    """The tensors of ``n_experts`` routed experts stored as ``c`` stores them, under prefix ``q`` (an MoE's
+    ``experts``): all of a layer's, or one EP rank's share (``ragged.models.plan_expert_parallel``)."""
+    d, f = c.dim, c.expert_dim
+    if c.experts == "fused":
+        return [(f"{q}.gate_up_proj", (n_experts, d, 2 * f)), (f"{q}.gate_up_proj_bias", (n_experts, 2 * f)),
+                (f"{q}.down_proj", (n_experts, f, d)), (f"{q}.down_proj_bias", (n_experts, d))]
+    return [t for i in range(n_experts) for t in _swiglu(f"{q}.{i}", d, f)]
+
+
 def moe_ffn_shapes(p: str, c: MoeConfig) -> list:
     """The tensors of one MoE feed-forward under prefix ``p``, in the models' order."""
-    e, d, f = c.n_experts, c.dim, c.expert_dim
+    e, d = c.n_experts, c.dim
     tensors = [(f"{p}.router.weight", (e, d))] + ([(f"{p}.router.bias", (e,))] if c.router_bias else [])
-    if c.experts == "fused":
-        q = f"{p}.experts"
-        tensors += [(f"{q}.gate_up_proj", (e, d, 2 * f)), (f"{q}.gate_up_proj_bias", (e, 2 * f)),
-                    (f"{q}.down_proj", (e, f, d)), (f"{q}.down_proj_bias", (e, d))]
-    else:
-        for i in range(e):
-            tensors += _swiglu(f"{p}.experts.{i}", d, f)
+    tensors += expert_shapes(f"{p}.experts", c, e)
     if c.shared_expert_dim:
         tensors += _swiglu(f"{p}.shared_expert", d, c.shared_expert_dim)
     return tensors

@@ -1,0 +1,41 @@
+"""``experiments.train --stack jax`` on an MoE preset: the MoE decoder under expert parallelism (``--ep``).
+
+The same 8 host devices and data at ep 1 (FSDP over all 8) and at ep 2 with 2 HSDP replicas (each EP
+rank's experts over 2 devices) train the same model: the losses differ only by summation order (bound:
+``LOSS_RTOL``, as for the other distributed runs).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.experiments._train_launch import BATCH, LOSS_RTOL, ROOT, SEQ, env, losses
+
+STEPS = 3
+
+
+def train(tmp_path, name: str, extra: list[str]) -> dict[int, float]:
+    log = tmp_path / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "experiments.train", "--stack", "jax", "--model", "mixtral-tiny", "--dtype",
+           "fp32", "--batch", str(BATCH), "--seq-len", str(SEQ), "--steps", str(STEPS), "--no-progress",
+           "--log", str(log), *extra]
+    done = subprocess.run(cmd, cwd=ROOT, env=env(devices=8), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return losses(log)
+
+
+def test_expert_parallel_trains_the_moe_as_fsdp_does(tmp_path):
+    fsdp = train(tmp_path, "ep1", [])
+    ep = train(tmp_path, "ep2", ["--ep", "2", "--hsdp", "2"])
+    assert sorted(ep) == list(range(STEPS))
+    np.testing.assert_allclose([ep[s] for s in range(STEPS)], [fsdp[s] for s in range(STEPS)], rtol=LOSS_RTOL)
+
+
+def test_ep_outside_a_jax_moe_run_is_refused(tmp_path):
+    cmd = [sys.executable, "-m", "experiments.train", "--stack", "torch", "--model", "mixtral-tiny",
+           "--ep", "2"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0 and "expert parallelism is for MoE models on --stack jax" in done.stderr

@@ -1,0 +1,230 @@
+"""Expert parallelism composed with ragged FSDP (``parallelize_moe``) on 8 host devices.
+
+Five AdamW steps at (ep, fsdp) = (1, 8), (2, 4), (4, 2) and (2, 2) with 2 HSDP replicas, for per-expert
+modules (mixtral-tiny) and fused experts with biases (gpt-oss-tiny), equal single-device training of the
+whole MoE (``jax.grad`` of the unsharded model, ``optax.adamw`` on its pytree). The reference's loss is the
+mean of the 8 device batches' losses, computed apart: the load-balancing loss is a product of per-batch
+means, so data-parallel training defines it per device's batch.
+
+Experts go empty, forced by the data and the router: the devices at fsdp index 0 (one per EP rank and
+replica) see one token repeated, so their tokens route alike and reach ``top_k`` experts only, and
+gpt-oss-tiny's first MoE layer has a router bias of +5 on experts 0 .. top_k-1, so there every token goes
+to them and the other EP ranks' experts receive nothing. Step 0 repeats one token in every row but for
+its first two positions. The test asserts, from the reference's routing, that some experts received no
+row from their EP group in some step and, for ep > 1, that some EP rank's experts all did.
+
+Bounds: fp32 within 1e-5 (relative, per tensor and per loss). The sharded step sums each gradient in
+another order (an expert's over the devices of its EP group and then its fsdp peers, the rest by
+reduce-scatter), a few fp32 roundings of a 5-step run whose parameters move by ~1e-2 (lr); AdamW divides
+by sqrt(nu), which amplifies them where a gradient is near zero: the same order as the rounding of JAX
+on one device against torch that the README reports for the llama (7.5e-6). Measured on parameters:
+6.5e-7 at (1, 8), 2.3e-6 / 6.4e-7 at (2, 4), 4.6e-6 / 1.6e-6 at (4, 2), 1.6e-6 / 1.2e-6 at (2, 2) x 2
+replicas (mixtral-tiny / gpt-oss-tiny); losses within 9e-8. A token routed to another expert would move
+its layer's output by ~1e-2, far outside the bound.
+
+Capacity: with ``capacity_factor=0.5``, each device's dropped (token, expert) assignments per MoE layer
+equal a numpy count (``sum_e max(0, n_e - C)``) over the routing of a single-device forward that drops the
+same assignments (the first ``C`` per expert in token order are kept), and the losses agree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jax_backend import make_mesh
+from jax_backend.models import model_params
+from jax_backend.models.expert_parallel import parallelize_moe
+from jax_backend.models.llama import FeedForward
+from jax_backend.models.moe import MoEDecoder, load_balancing_loss, moe_loss, route_tokens
+from ragged.models import MOE_CONFIGS
+from tests.jax_backend.jax_reference import rel_err
+
+DEVICES, ROWS, SEQ, STEPS, LR = 8, 2, 8, 5, 1e-2  # ROWS per device
+CASES = [(1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2)]  # (ep, fsdp, replica)
+MODELS = ["mixtral-tiny", "gpt-oss-tiny"]
+RTOL = 1e-5
+
+
+def build(name: str) -> MoEDecoder:
+    c = MOE_CONFIGS[name]
+    model = MoEDecoder(c, rngs=nnx.Rngs(0))
+    if c.router_bias:  # first MoE layer: every token to experts 0 .. top_k-1 (EP rank 0 for ep <= 2)
+        router = model.layers[c.n_dense_layers].feed_forward.router
+        router.bias[...] = router.bias[...].at[:c.top_k].add(5.0)
+    return model
+
+
+def batches(vocab: int, fsdp: int) -> np.ndarray:
+    """(STEPS, DEVICES * ROWS, SEQ + 1) token ids, device d's rows at [d ROWS, (d+1) ROWS)."""
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, vocab, size=(STEPS, DEVICES * ROWS, SEQ + 1)).astype(np.int32)
+    data[0, :, 2:] = data[0, :, 2:3]  # step 0: one token per row but for two positions
+    at_fsdp_0 = [d for d in range(DEVICES) if d % fsdp == 0]
+    for s in range(1, STEPS):
+        for d in at_fsdp_0:
+            data[s, d * ROWS:(d + 1) * ROWS] = data[s, 0, 0]  # one token: routes to top_k experts only
+    return data
+
+
+def device_losses(model: nnx.Module, inputs: jax.Array, targets: jax.Array, coef: float) -> jax.Array:
+    """Each device batch's loss, (DEVICES,)."""
+    xs, ys = inputs.reshape(DEVICES, ROWS, SEQ), targets.reshape(DEVICES, ROWS, SEQ)
+    return jnp.stack([moe_loss(model(x), y, coef) for x, y in zip(xs, ys)])
+
+
+def train_reference(model: MoEDecoder, data: np.ndarray) -> tuple[list[float], list[dict]]:
+    """Single-device AdamW: the loss per step and the parameters before each step and after the last."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt = optax.adamw(LR, weight_decay=0.1)
+    coef = model.config.aux_loss_coef
+
+    @jax.jit
+    def step(params, state, x, y):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean(device_losses(nnx.merge(graphdef, p), x, y, coef)))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    state, losses, history = opt.init(params), [], []
+    for b in data:
+        history.append(model_params(nnx.merge(graphdef, params)))
+        params, state, loss = step(params, state, b[:, :-1], b[:, 1:])
+        losses.append(float(loss))
+    history.append(model_params(nnx.merge(graphdef, params)))
+    return losses, history
+
+
+def train_ep(model: MoEDecoder, data: np.ndarray, ep: int, fsdp: int, replica: int,
+             capacity_factor: float | None = None, steps: int = STEPS) -> tuple[list[float], dict, list]:
+    """``parallelize_moe`` training: losses, final full params and each step's per-device drop counts."""
+    hsdp = replica > 1
+    mesh = make_mesh((replica, ep, fsdp), ("replica", "ep", "fsdp")) if hsdp else \
+        make_mesh((ep, fsdp), ("ep", "fsdp"))
+    runtime = parallelize_moe(model, mesh, replica_axis="replica" if hsdp else None,
+                              capacity_factor=capacity_factor)
+    opt = optax.adamw(LR, weight_decay=0.1)
+    buffers = runtime.shard_params(model_params(model))
+    state, model_state = runtime.fsdp.init(opt, buffers), runtime.init_model_state()
+    step = runtime.fsdp.train_step(opt, lambda out, y: moe_loss(out, y, model.config.aux_loss_coef))
+    losses, drops = [], []
+    for b in data[:steps]:
+        buffers, state, loss, model_state = step(buffers, state, b[:, :-1], b[:, 1:], model_state)
+        losses.append(float(loss))
+        drops.append(runtime.dropped(model_state))
+    return losses, {k: np.asarray(v) for k, v in runtime.full_params(buffers).items()}, drops
+
+
+def kept(chosen: np.ndarray, n_experts: int, capacity: int) -> np.ndarray:
+    """(N, k) bool: each expert keeps its first ``capacity`` assignments in token order."""
+    flat = chosen.reshape(-1)
+    seen = np.zeros(n_experts, np.int64)
+    keep = np.zeros(flat.shape, bool)
+    for i, e in enumerate(flat):
+        keep[i] = seen[e] < capacity
+        seen[e] += 1
+    return keep.reshape(chosen.shape)
+
+
+def routed_forward(model: MoEDecoder, tokens: np.ndarray, capacity: int | None) -> tuple[jax.Array, list]:
+    """One device's single-device forward, dropping each MoE layer's assignments past ``capacity``: its
+    loss inputs ``(logits, aux)`` and each MoE layer's chosen experts (N, k)."""
+    c = model.config
+    h, aux, routes = model.tok_embeddings(jnp.asarray(tokens)), [], []
+    for layer in model.layers:
+        h = h + layer.attention(layer.attention_norm(h))
+        x = layer.ffn_norm(h)
+        if isinstance(layer.feed_forward, FeedForward):
+            h = h + layer.feed_forward(x)
+            continue
+        moe, (b, t, d) = layer.feed_forward, x.shape
+        flat = x.reshape(b * t, d)
+        weights, chosen, probs = moe.router(flat)
+        routes.append(np.asarray(chosen))
+        if capacity is not None:
+            weights = weights * jnp.asarray(kept(np.asarray(chosen), c.n_experts, capacity))
+        out = route_tokens(moe.experts(jnp.broadcast_to(flat, (c.n_experts, b * t, d))), weights, chosen)
+        if moe.shared_expert is not None:
+            out = out + moe.shared_expert(flat)
+        h = h + out.reshape(b, t, d)
+        aux.append(load_balancing_loss(probs, chosen))
+    return (model.output(model.norm(h)), jnp.mean(jnp.stack(aux))), routes
+
+
+_REFERENCES: dict[str, tuple] = {}
+
+
+def reference(name: str, fsdp: int) -> tuple[list[float], list[dict], np.ndarray]:
+    key = f"{name}/{fsdp}"
+    if key not in _REFERENCES:
+        model = build(name)
+        data = batches(model.config.vocab_size, fsdp)
+        _REFERENCES[key] = (*train_reference(model, data), data)
+    return _REFERENCES[key]
+
+
+def with_params(model: MoEDecoder, params: dict) -> MoEDecoder:
+    graphdef, state = nnx.split(model, nnx.Param)
+    leaves = [jnp.asarray(params[k]) for k in model_params(model)]
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state), leaves))
+
+
+def received(name: str, history: list[dict], data: np.ndarray, ep: int, fsdp: int) -> np.ndarray:
+    """(STEPS, MoE layers, groups, E): rows each expert received from its EP group (the devices of one
+    (replica, fsdp) index), from the reference's routing at each step's parameters."""
+    c, model = MOE_CONFIGS[name], build(name)
+    counts = []
+    for s in range(STEPS):
+        m = with_params(model, history[s])
+        per_device = [routed_forward(m, data[s, d * ROWS:(d + 1) * ROWS, :-1], None)[1]
+                      for d in range(DEVICES)]
+        n = np.array([[np.bincount(r.reshape(-1), minlength=c.n_experts) for r in layers]
+                      for layers in per_device])  # (DEVICES, layers, E), device d = (replica, ep, fsdp)
+        by_group = n.reshape(DEVICES // (ep * fsdp), ep, fsdp, *n.shape[1:]).sum(axis=1)  # (R, fsdp, L, E)
+        counts.append(by_group.transpose(2, 0, 1, 3).reshape(n.shape[1], -1, c.n_experts))
+    return np.array(counts)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ep,fsdp,replica", CASES)
+def test_five_adamw_steps_equal_single_device_training(name, ep, fsdp, replica):
+    want_losses, history, data = reference(name, fsdp)
+    losses, params, drops = train_ep(build(name), data, ep, fsdp, replica)
+    assert all(int(v.sum()) == 0 for step in drops for v in step.values())  # no capacity limit: no drops
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    want = history[-1]
+    assert sorted(params) == sorted(want)
+    errors = {k: rel_err(params[k], want[k]) for k in want}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= RTOL, f"{worst}: relative error {errors[worst]:.3g} > {RTOL}"
+    rows = received(name, history, data, ep, fsdp)  # (steps, layers, groups, E)
+    assert (rows == 0).any() and (rows > 0).any(), "no expert went empty: the forcing did not work"
+    by_rank = rows.reshape(*rows.shape[:-1], ep, -1).sum(axis=-1)
+    assert ep == 1 or (by_rank == 0).any(), "no EP rank's experts went empty: the forcing did not work"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_dropped_assignments_equal_a_numpy_count(name):
+    ep, fsdp, replica, factor = 2, 4, 1, 0.5
+    model, c = build(name), MOE_CONFIGS[name]
+    data = np.random.default_rng(1).integers(0, c.vocab_size, (1, DEVICES * ROWS, SEQ + 1)).astype(np.int32)
+    losses, _, drops = train_ep(model, data, ep, fsdp, replica, capacity_factor=factor, steps=1)
+    n_tokens = ROWS * SEQ
+    capacity = max(1, min(n_tokens, math.ceil(factor * n_tokens * c.top_k / c.n_experts)))
+    want_drops, device_loss = [], []
+    for d in range(DEVICES):
+        x, y = data[0, d * ROWS:(d + 1) * ROWS, :-1], data[0, d * ROWS:(d + 1) * ROWS, 1:]
+        out, routes = routed_forward(model, x, capacity)
+        device_loss.append(float(moe_loss(out, y, c.aux_loss_coef)))
+        counts = [np.bincount(r.reshape(-1), minlength=c.n_experts) for r in routes]
+        want_drops.append([int(np.maximum(n - capacity, 0).sum()) for n in counts])
+    got = np.array(list(drops[0].values())).T  # (DEVICES, MoE layers)
+    np.testing.assert_array_equal(got, np.array(want_drops))
+    assert got.sum() > 0, "capacity factor 0.5 dropped nothing: the test would not see drops"
+    np.testing.assert_allclose(losses[0], np.mean(device_loss), rtol=RTOL)
