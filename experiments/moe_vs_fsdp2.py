@@ -296,6 +296,8 @@ def _torch_summary(ranks: list[dict]) -> dict:
             out[v]["debug_counter_copy_bytes"] = r0["debug_counter_copy_bytes"]
         out[v]["step_time_ratio_over_fsdp2"] = out[v]["median_step_s"] / statistics.median(
             ranks[0]["fsdp2"]["step_s"])
+        out[v]["max_loss_difference_from_fsdp2"] = max(
+            abs(a - b) for a, b in zip(r0["losses"], ranks[0]["fsdp2"]["losses"]))
     out["model_copy_bytes_subtracted"] = ranks[0]["ours"]["model_copy_bytes"]
     return out
 
@@ -308,7 +310,9 @@ def _torch_markdown(s: dict) -> str:
             ("reduce-scatter bytes / step", lambda r: f"{r['comm_bytes_per_step']['reduce_scatter']:,}"),
             ("all-to-all bytes sent / step", lambda r: f"{r['comm_bytes_per_step']['all_to_all']:,}"),
             ("MoE layer all-gather buffer (fp32 elements)", lambda r: f"{r['moe_layer_buffer_numel']:,}"),
-            ("MoE layer padding", lambda r: f"{r['moe_layer_padding']:.2%}")]
+            ("MoE layer padding", lambda r: f"{r['moe_layer_padding']:.2%}"),
+            ("largest loss difference from FSDP2 (rank 0)",
+             lambda r: f"{r['max_loss_difference_from_fsdp2']:.1e}")]
     text = [f"## Torch, {s['world']} gloo processes (CPU), fp32, AdamW, {s['batch_per_rank'][0]} x "
             f"{s['batch_per_rank'][1]} tokens per rank, {s['steps']} timed steps after {s['warmup']}", "",
             f"ours+ep: `expert_parallel` on (ep, fsdp) = ({s['ep']}, {s['world'] // s['ep']}), then "
