@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from torch_backend.fsdp import MixedPrecisionPolicy, fully_shard
+from torch_backend.fsdp import GranularityArg, MixedPrecisionPolicy, fully_shard
 from torch_backend.fsdp._dcp_checkpoint import CheckpointAs
 from torch_backend.models.moe import ExpertList, FusedExperts, MoEDecoder
 
@@ -148,7 +148,8 @@ def _name_globally(experts: nn.Module, ep_mesh: DeviceMesh, lo: int, n_experts: 
 
 
 def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_forward: bool = True,
-                    mp_policy: MixedPrecisionPolicy | None = None) -> MoEDecoder:
+                    mp_policy: MixedPrecisionPolicy | None = None, granularity: GranularityArg = None
+                    ) -> MoEDecoder:
     """Keep this EP rank's experts of every MoE layer, shard them over ``fsdp`` and hook their dispatch.
 
     Call before ``parallelize`` (which then shards the rest over all ranks).
@@ -161,6 +162,7 @@ def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_for
     Args:
         model: an ``MoEDecoder`` with every expert, built and initialised (the same values on every rank).
         ep_mesh: a 2-D mesh with dims ``("ep", "fsdp")`` over every rank.
+        reshard_after_forward, mp_policy, granularity: passed to the experts' ``fully_shard``.
 
     Raises:
         ValueError: the mesh is not ``(ep, fsdp)`` or ``ep`` does not divide the number of experts.
@@ -181,7 +183,7 @@ def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_for
         hooks = _ExpertParallelHooks(c.n_experts, ep_mesh.get_group("ep"), ep)
         experts.register_forward_pre_hook(hooks.dispatch)  # after FSDP's (it prepends its own)
         fully_shard(experts, mesh=ep_mesh["fsdp"], reshard_after_forward=reshard_after_forward,
-                    mp_policy=mp_policy)
+                    mp_policy=mp_policy, granularity=granularity)
         experts.register_forward_hook(hooks.combine, prepend=True)  # before FSDP's post-forward
         _name_globally(experts, ep_mesh, lo, c.n_experts)
     return model
