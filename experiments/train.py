@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama-tiny", choices=ragged.models.trained_model_names())
     p.add_argument("--hsdp", default="1", help="HSDP replica count R (shard over world/R devices), or 'auto' "
                    "for the advisor's choice (ragged advise)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="torch, MoE models: expert parallelism over N ranks (each keeps E/N experts, sharded "
+                        "over world/N ranks; the rest is sharded over all; docs/moe.md)")
     p.add_argument("--granularity", default="auto",
                    help="matrix granularity (rows:N, tiles:RxC, element, ...); auto: rows:1, 32x32 tiles for "
                         "adam8bit")
@@ -76,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.log = Path(args.checkpoint_dir) / "log.jsonl"
     if args.save_interval < 1:
         p.error("--save-interval must be at least 1")
+    if args.ep < 1 or args.ep > 1 and args.stack != "torch":
+        p.error(f"--ep {args.ep}: expert parallelism is a positive degree, on the torch stack")
     return args
 
 

@@ -62,13 +62,21 @@ def device_capacity(dev: torch.device) -> int:
     return available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mesh: DeviceMesh):
-    """Meta-device model -> activation checkpointing -> ``parallelize`` -> values one unit at a time."""
+def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mesh: DeviceMesh,
+          dev: torch.device):
+    """Meta-device model -> activation checkpointing -> ``parallelize`` -> values one unit at a time.
+
+    With ``--ep N``: the whole model is built and initialised on ``dev`` first (``init_parameters`` numbers
+    parameters in one process's order, which a rank that dropped the other EP ranks' experts no longer has),
+    then ``expert_parallel`` on an ``(ep, fsdp) = (N, world / N)`` mesh keeps this rank's experts."""
     from torch_backend import MixedPrecisionPolicy, unsharded
     from torch_backend.models import Llama, MoEDecoder, parallelize
+    from torch_backend.models.expert_parallel import expert_parallel
 
-    with torch.device("meta"):
+    with torch.device("meta" if args.ep == 1 else dev):
         model = MoEDecoder(config) if isinstance(config, ragged.models.MoeConfig) else Llama(config)
+    if args.ep > 1:
+        model.init_weights(args.seed)
     if args.activation_checkpointing:
         for block in model.layers:  # before fully_shard: the recompute runs inside the unit's backward
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -76,12 +84,29 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     granularity = (lambda name, shape: ragged.quant.tile_granularity(shape)) if args.granularity == "auto" \
         and args.optimizer == "adam8bit" else (None if args.granularity == "auto" else args.granularity)
+    if args.ep > 1:
+        ep_mesh = init_device_mesh(dev.type, (args.ep, mesh.size() // args.ep), mesh_dim_names=("ep", "fsdp"))
+        expert_parallel(model, ep_mesh, mp_policy=mp, granularity=granularity)
     parallelize(model, mesh, mp_policy=mp, granularity=granularity)
+    if args.ep > 1:
+        return model
     for unit in [model.tok_embeddings, *model.layers, model.norm]:  # norm: the [norm, output] unit
         names = {f"{prefix}.{n}" for prefix, m in _unit_modules(model, unit) for n, _ in m.named_parameters()}
         with unsharded(unit):
             model.init_weights(args.seed, only=names)
     return model
+
+
+def check_ep(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, world: int) -> None:
+    """``--ep`` needs an MoE whose experts and devices it divides, and one FSDP group (no HSDP)."""
+    if args.ep == 1:
+        return
+    why = ("it trains mixture-of-experts models only" if not isinstance(config, ragged.models.MoeConfig) else
+           f"it must divide the {world} devices" if world % args.ep else
+           f"it must divide the {config.n_experts} experts" if config.n_experts % args.ep else
+           "it is not combined with HSDP (--hsdp 1)" if args.replicas != 1 else None)
+    if why:
+        raise SystemExit(f"--ep {args.ep}: {why}")
 
 
 def _unit_modules(model, unit) -> list:
@@ -156,6 +181,7 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
         capacity = torch.tensor([device_capacity(dev)], dtype=torch.int64, device=dev)
         dist.all_reduce(capacity, dist.ReduceOp.MIN)  # one number on every rank: all refuse, or none
         plan_check(world, int(capacity.item()), rank == 0)
+        check_ep(args, config, world)
         replicas = args.replicas
         mesh = (init_device_mesh(dev.type, (world,), mesh_dim_names=("shard",)) if replicas == 1 else
                 init_device_mesh(dev.type, (replicas, world // replicas),
@@ -166,7 +192,7 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
                 checkpoints.check_settings(ckpt_root, settings, write=True)
             dist.barrier()
             checkpoints.check_settings(ckpt_root, settings, write=False)
-        model = build(args, config, mesh)
+        model = build(args, config, mesh, dev)
         loss_fn = loss_function(config)
         opt = optimizer(args, model)
         first = 0

@@ -1,7 +1,10 @@
 """Per-device memory plan and model FLOPs of a training run, from shapes alone (before anything is allocated).
 
 ``memory_plan`` plans the model's units for the shard group (``gpus / replicas`` devices, HSDP replicates
-over the rest) and adds up what one device holds during a step:
+over the rest) and adds up what one device holds during a step. ``sharding="fsdp2"`` counts the same run
+under FSDP2's per-parameter ``Shard(0)`` instead of the planner (``ragged._baselines.fsdp2``: every
+tensor's dim 0 padded to a multiple of the group, so a unit's shard and all-gather buffer carry that
+padding; everything else is counted alike):
 
 - parameters: the fp32 master shards (the planner's ``S`` per unit, padding included);
 - gradients: the fp32 gradient shards;
@@ -30,7 +33,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ragged._baselines import fsdp2
 from ragged._errors import RaggedError
+from ragged._granularity import Granularity, granularity_for
 from ragged._layout import TensorSpec
 from ragged._model_plan import plan_model
 from ragged._planner import plan
@@ -55,6 +60,7 @@ def _describe(c: MoeConfig) -> str:
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adam8bit": 2.0 + 8 / 1024, "muon": 4.0}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+SHARDINGS = ("ragged", "fsdp2")
 
 
 def trained_model_names() -> tuple[str, ...]:
@@ -131,6 +137,7 @@ class MemoryPlan:
     unsharded: int
     activations: int
     logits: int
+    sharding: str = "ragged"
 
     @property
     def shard_group(self) -> int:
@@ -154,7 +161,8 @@ class MemoryPlan:
         head = (f"memory plan per device: {self.model} ({size} params), {self.gpus} "
                 f"devices = {self.replicas} replica(s) x {self.shard_group} shards, {self.granularity}, "
                 f"{self.dtype}, {self.optimizer}, {self.tokens_per_device} tokens/device, activation "
-                f"checkpointing {'on' if self.activation_checkpointing else 'off'}; planner padding "
+                f"checkpointing {'on' if self.activation_checkpointing else 'off'}; "
+                f"{'planner' if self.sharding == 'ragged' else 'FSDP2 Shard(0)'} padding "
                 f"{self.padding_ratio:.2%}")
         width = max(len(name) for name, _ in self.rows())
         return "\n".join([head, *(f"  {name:<{width}}  {gib(b):>10}" for name, b in self.rows())])
@@ -164,30 +172,37 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def _unit_sizes(shapes: ModelShapes, world: int, granularity: str) -> list[tuple[int, int]]:
-    """``(S, world * S)`` per unit; ``granularity="tiles"`` is 8-bit Adam's rule (``tile_granularity``)."""
-    if granularity != "tiles":
+def _unit_sizes(shapes: ModelShapes, world: int, granularity: str, sharding: str = "ragged"
+                ) -> list[tuple[int, int]]:
+    """``(S, world * S)`` per unit; ``granularity="tiles"`` is 8-bit Adam's rule (``tile_granularity``);
+    ``sharding="fsdp2"``: FSDP2's padded per-parameter ``Shard(0)`` (the blocks only count cuts there)."""
+    if granularity != "tiles" and sharding == "ragged":
         return [(lay.shard_size, lay.total_numel) for lay in plan_model(shapes, world, granularity)]
+    matrix = None if granularity == "tiles" else Granularity.parse(granularity)
     planned: dict[tuple, tuple[int, int]] = {}  # units with the same shapes plan alike
     for unit in shapes.units:
         key = tuple(shape for _, shape in unit.tensors)
         if key not in planned:
-            specs = [TensorSpec(n, s, tile_granularity(s)) for n, s in unit.tensors]
-            lay = plan(specs, world, name=unit.name)
-            planned[key] = (lay.shard_size, lay.total_numel)
+            specs = [TensorSpec(n, s, tile_granularity(s) if matrix is None else granularity_for(s, matrix))
+                     for n, s in unit.tensors]
+            shard = fsdp2(specs, world, 4).shard_size if sharding == "fsdp2" else \
+                plan(specs, world, name=unit.name).shard_size  # align 4: plan's default for fp32
+            planned[key] = (shard, world * shard)
     return [planned[tuple(shape for _, shape in unit.tensors)] for unit in shapes.units]
 
 
 def memory_plan(model: str, c: ModelConfig, gpus: int, *, replicas: int = 1, granularity: str = "rows:1",
                 dtype: str = "bf16", optimizer: str = "adamw", batch_per_device: int = 1, seq_len: int = 2048,
-                activation_checkpointing: bool = False, shapes: ModelShapes | None = None) -> MemoryPlan:
+                activation_checkpointing: bool = False, shapes: ModelShapes | None = None,
+                sharding: str = "ragged") -> MemoryPlan:
     """Plan ``c`` (or ``shapes``) for ``gpus`` devices and estimate the bytes one device holds.
 
     ``granularity`` is a ``ragged`` granularity string for every matrix, or ``"tiles"`` for 8-bit Adam's
-    32 x 32 tiles where a matrix tiles (``tile_granularity``), as the runtimes plan it.
+    32 x 32 tiles where a matrix tiles (``tile_granularity``), as the runtimes plan it. ``sharding`` is
+    ``"ragged"`` (the planner) or ``"fsdp2"`` (FSDP2's padded per-parameter ``Shard(0)``, for comparison).
 
     Raises:
-        RaggedError: ``replicas`` does not divide ``gpus``, or an unknown dtype or optimizer.
+        RaggedError: ``replicas`` does not divide ``gpus``, or an unknown dtype, optimizer or sharding.
         PlanningError / GranularityError: as ``plan_model``.
     """
     if gpus < 1 or replicas < 1 or gpus % replicas:
@@ -197,8 +212,10 @@ def memory_plan(model: str, c: ModelConfig, gpus: int, *, replicas: int = 1, gra
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise RaggedError(f"memory_plan: optimizer {optimizer!r} is not one of "
                           f"{sorted(OPTIMIZER_STATE_BYTES)}")
+    if sharding not in SHARDINGS:
+        raise RaggedError(f"memory_plan: sharding {sharding!r} is not one of {SHARDINGS}")
     shapes = shapes or trained_shapes(model, c)
-    sizes = _unit_sizes(shapes, gpus // replicas, granularity)
+    sizes = _unit_sizes(shapes, gpus // replicas, granularity, sharding)
     shard = sum(s for s, _ in sizes)
     biggest = max(total for _, total in sizes)
     cb = DTYPE_BYTES[dtype]
@@ -217,4 +234,4 @@ def memory_plan(model: str, c: ModelConfig, gpus: int, *, replicas: int = 1, gra
         padding_ratio=1 - shapes.numel / buffers, params=4 * shard, grads=4 * shard,
         optimizer_state=math.ceil(OPTIMIZER_STATE_BYTES[optimizer] * shard),
         unsharded=biggest * (2 * cb + cb + 4), activations=activations,
-        logits=tokens * c.vocab_size * (cb + 8))
+        logits=tokens * c.vocab_size * (cb + 8), sharding=sharding)

@@ -101,6 +101,28 @@ def test_torchrun_trains_the_moe_presets_like_plain_training(tmp_path, name):
     np.testing.assert_allclose([got[s] for s in range(3)], plain_moe_losses(name, 3, ranks=2), rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["mixtral-tiny", "gpt-oss-tiny"])
+def test_ep_trains_like_plain_training_and_its_checkpoint_resumes_without_ep(tmp_path, name):
+    """``--ep 2`` on 2 gloo processes (each keeps half of the experts), checkpointed after step 2; relaunched
+    without ``--ep``, the run loads that checkpoint (one-process expert names, fused tensors whole) and goes
+    on: every step equals plain training. Bound: test_fsdp_moe's 1e-5 on losses (expert parallelism sums
+    an expert's gradient in another order; the loss moves far less than the 1e-4 it allows parameters)."""
+    args = ["--model", name, "--dtype", "fp32", "--batch", "4", "--seq-len", "16", "--no-progress",
+            "--lr", str(LR), "--weight-decay", str(WD), "--checkpoint-dir", str(tmp_path),
+            "--save-interval", "2"]
+    first = torchrun(2, [*args, "--steps", "2", "--ep", "2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = torchrun(2, [*args, "--steps", "4"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = losses(tmp_path / "log.jsonl")
+    np.testing.assert_allclose([got[s] for s in range(4)], plain_moe_losses(name, 4, ranks=2), rtol=1e-5)
+
+
+def test_ep_is_refused_where_it_cannot_split_the_experts(tmp_path):
+    result = torchrun(2, [*TINY, "--steps", "1", "--ep", "2"])
+    assert result.returncode != 0 and "--ep 2: it trains mixture-of-experts models only" in result.stderr
+
+
 def test_adam8bit_state_resumes_bit_exactly(tmp_path):
     """8-bit Adam's state (per-rank local tensors, a step count) is saved beside the DCP checkpoint.
 

@@ -19,6 +19,7 @@ forward and backward run on a bf16 copy of the fp32 master, and the bf16 gradien
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -66,16 +67,18 @@ def batch(step: int, vocab: int) -> torch.Tensor:
     return torch.from_numpy(rows)
 
 
-def reference(name: str, world: int, dtype: torch.dtype) -> tuple[list[float], dict]:
+def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype) -> tuple[list[float], dict]:
     """Single-process training: each step, every rank's rows forward and backward apart on a ``dtype``
-    copy of the fp32 master; gradients summed in fp32 and averaged; AdamW on the master."""
+    copy of the fp32 master; gradients summed in fp32 and averaged; AdamW on the master. ``world``: the
+    ranks, or the ranks of each step (a run resumed at another world size)."""
     from torch_backend.models import moe_loss
 
     c = config(name)
     master = build(name)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []
-    for step in range(STEPS):
+    worlds = (world,) * STEPS if isinstance(world, int) else world
+    for step, world in enumerate(worlds):
         step_loss = 0.0
         for rows in batch(step, c.vocab_size).chunk(world):
             compute = copy.deepcopy(master).to(dtype)
@@ -103,7 +106,7 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) ->
     Returns the mean losses, the full parameters and the experts each MoE layer's router chose here per
     step (with ``ep_mesh``: and the rows this rank's experts received, per step and layer)."""
     from torch_backend import MixedPrecisionPolicy
-    from torch_backend.models import moe_loss, parallelize
+    from torch_backend.models import parallelize
     from torch_backend.models.expert_parallel import expert_parallel
 
     c = config(name)
@@ -121,11 +124,21 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) ->
             layer.feed_forward.experts.register_forward_pre_hook(
                 lambda _m, args: received[-1].append(len(args[0])))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses = train(model, opt, name, rank, world, range(STEPS),
+                   before_step=lambda: (routes.append([]), received.append([])))
+    return losses, full_params(model), routes if ep_mesh is None else (routes, received)
+
+
+def train(model, opt, name: str, rank: int, world: int, steps: range,
+          before_step: Callable[[], object] = lambda: None) -> list[float]:
+    """AdamW steps ``steps`` of the sharded ``model`` on this rank's rows; the mean loss of each step."""
+    from torch_backend.models import moe_loss
+
+    c = config(name)
     n = ROWS // world
     losses = []
-    for step in range(STEPS):
-        routes.append([])
-        received.append([])
+    for step in steps:
+        before_step()
         rows = batch(step, c.vocab_size)[rank * n:(rank + 1) * n]
         loss = moe_loss(model(rows[:, :-1]), rows[:, 1:], c.aux_loss_coef)
         loss.backward()
@@ -134,7 +147,7 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) ->
         loss = loss.detach().float()
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
-    return losses, full_params(model), routes if ep_mesh is None else (routes, received)
+    return losses
 
 
 def case(name: str, mesh, rank: int, world: int, bf16: bool) -> dict:
@@ -173,6 +186,17 @@ def ep_case(name: str, rank: int, world: int, ep: int) -> dict:
     losses, params, (routes, received) = sharded(name, init_device_mesh("cpu", (world,)), rank, world, False,
                                                  ep_mesh)
     want_losses, want = reference(name, world, torch.float32)
+    got, ref = held_and_reference(params, name, ep_mesh, want)
+    held = sum(p.numel() for n, p in got.items() if ".experts." in n)
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
+    return {"routes": routes, "received": received, "top_k": config(name).top_k,
+            "n_experts": config(name).n_experts, "fp32": {"loss": loss, "params": rel_errors(got, ref)},
+            "expert_numel_held": held,
+            "expert_numel_total": sum(p.numel() for n, p in want.items() if ".experts." in n)}
+
+
+def held_and_reference(params: dict, name: str, ep_mesh, want: dict) -> tuple[dict, dict]:
+    """The parameters this EP rank holds and the reference's same tensors (or rows), by global name."""
     got, ref = {}, {}
     for n, p in global_expert_names(params, name, ep_mesh).items():
         if isinstance(p, tuple):
@@ -180,12 +204,7 @@ def ep_case(name: str, rank: int, world: int, ep: int) -> dict:
             got[n], ref[n] = p, want[n][lo:lo + len(p)]
         else:
             got[n], ref[n] = p, want[n]
-    held = sum(p.numel() for n, p in got.items() if ".experts." in n)
-    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
-    return {"routes": routes, "received": received, "top_k": config(name).top_k,
-            "n_experts": config(name).n_experts, "fp32": {"loss": loss, "params": rel_errors(got, ref)},
-            "expert_numel_held": held,
-            "expert_numel_total": sum(p.numel() for n, p in want.items() if ".experts." in n)}
+    return got, ref
 
 
 def checks(rank: int, world: int) -> dict:

@@ -5,6 +5,12 @@ RaggedShard DTensors whose chunk metadata (``_dcp``) tells DCP which regular box
 they hold, so a checkpoint written at one world size (or granularity) loads at another, in place into
 the new local pieces. Keys are ``model.<fqn>`` and ``optim.<fqn>.<state>``.
 
+Names are the ones one process gives each tensor. A parameter that another parallel dim placed (expert
+parallelism keeps ``E / ep`` experts per rank, as ``experts.0..`` or a slice of a fused tensor) carries a
+``CheckpointAs`` (attribute ``checkpoint_as``) that gives its one-process name and, for a slice, the whole
+tensor as a DTensor whose outer placement (``Shard(0)`` over ``ep``) wraps the parameter's own; so a
+checkpoint saved at ``(ep, fsdp) = (2, 2)`` loads at ``(1, 4)``, at plain FSDP and at any world size.
+
 A checkpoint is written to ``<path>.partial`` and renamed to ``<path>`` only once every rank has written
 its part, so a run that dies while saving leaves the previous complete checkpoint as the latest.
 Failures raise the core's ``ragged.checkpoint.CheckpointError`` (the one checkpoint error of every format).
@@ -14,17 +20,60 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from ragged.checkpoint import CheckpointError
 from torch_backend.fsdp._fully_shard import units
 from torch_backend.placement import make_dtensor
+
+
+@dataclass(frozen=True)
+class CheckpointAs:
+    """How a parameter placed along a mesh dim FSDP does not shard is named and shaped in a checkpoint.
+
+    ``local_name``/``global_name``: the end of its FQN here and in one process (``"0.w1.weight"`` /
+    ``"4.w1.weight"`` on EP rank 1 of 2 with 8 experts). ``mesh``, ``outer``, ``shape``: for a slice of a
+    larger tensor, that tensor's shape and the placement (``Shard(0)``) over ``mesh``'s first dim that cut
+    the slice; the parameter's own placements follow on the other dims. ``mesh`` None: a whole tensor.
+    """
+
+    local_name: str
+    global_name: str
+    mesh: DeviceMesh | None = None
+    outer: Placement | None = None
+    shape: tuple[int, ...] | None = None
+
+    def fqn(self, fqn: str) -> str:
+        if fqn != self.local_name and not fqn.endswith("." + self.local_name):
+            raise CheckpointError(f"CheckpointAs: parameter {fqn!r} does not end with {self.local_name!r}")
+        return fqn[:len(fqn) - len(self.local_name)] + self.global_name
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the parameter or a tensor placed like it) as the whole tensor: the same local storage."""
+        if self.mesh is None or not isinstance(t, DTensor):
+            return t
+        with torch.no_grad():
+            local = t.to_local()
+        return make_dtensor(local, self.mesh, (self.outer, *t.placements), self.shape)
+
+
+def _saved_as(fqn: str, p: torch.Tensor) -> tuple[str, CheckpointAs | None]:
+    how = getattr(p, "checkpoint_as", None)
+    return (fqn, None) if how is None else (how.fqn(fqn), how)
+
+
+def _view(how: CheckpointAs | None, t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``t`` as saved: viewed as the whole tensor when it is placed like ``param`` (not a scalar state)."""
+    return t if how is None or t.shape != param.shape else how.view(t)
 
 
 def _resharded(model: nn.Module) -> None:
@@ -38,11 +87,12 @@ def sharded_state_dict(model: nn.Module,
     _resharded(model)
     out: dict[str, torch.Tensor] = {}
     for fqn, p in model.named_parameters():
-        out[f"model.{fqn}"] = p
+        name, how = _saved_as(fqn, p)
+        out[f"model.{name}"] = _view(how, p, p)
         if optimizer is not None:
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim.{fqn}.{key}"] = value
+                    out[f"optim.{name}.{key}"] = _view(how, value, p)
     return out
 
 
@@ -93,26 +143,29 @@ def load_dcp_checkpoint(path: str | os.PathLike, model: nn.Module,
     try:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         target = sharded_state_dict(model)
-        fresh: dict[str, tuple[nn.Parameter, str]] = {}
+        fresh: dict[str, tuple[nn.Parameter, str, torch.Tensor]] = {}
         if optimizer is not None:
             for fqn, p in model.named_parameters():
+                name, how = _saved_as(fqn, p)
                 for key, meta in saved.items():
-                    prefix = f"optim.{fqn}."
+                    prefix = f"optim.{name}."
                     if key.startswith(prefix) and "." not in key[len(prefix):]:
-                        target[key] = _like(p, tuple(meta.size))
-                        fresh[key] = (p, key[len(prefix):])
+                        state = _like(p, tuple(meta.size), how)
+                        target[key] = _view(how, state, p)
+                        fresh[key] = (p, key[len(prefix):], state)
         dcp.load(target, checkpoint_id=str(path))
     except Exception as e:
         rank = dist.get_rank()
         raise CheckpointError(f"load_dcp_checkpoint: reading checkpoint {str(path)!r} failed on rank "
                               f"{rank}: {e}") from e
-    for key, (p, name) in fresh.items():
-        optimizer.state[p][name] = target[key]
+    for p, name, state in fresh.values():
+        optimizer.state[p][name] = state
 
 
-def _like(param: nn.Parameter, size: tuple[int, ...]) -> torch.Tensor:
+def _like(param: nn.Parameter, size: tuple[int, ...], how: CheckpointAs | None) -> torch.Tensor:
     """A zero destination for a saved optimizer tensor: the parameter's placement, or a plain scalar."""
-    if size == tuple(param.shape) and isinstance(param, DTensor):
+    saved_shape = tuple(param.shape if how is None or how.shape is None else how.shape)
+    if size == saved_shape and isinstance(param, DTensor):
         local = torch.zeros_like(param.to_local())
         return make_dtensor(local, param.device_mesh, param.placements, param.shape)
     return torch.zeros(size, dtype=torch.float32)

@@ -18,8 +18,13 @@ whose experts received nothing still runs the experts unit, with empty tensors (
 get their zero gradient, as a whole fused tensor does in one process). Gradients: FSDP averages
 an expert's gradient over its ``fsdp`` ranks, but each of those already summed the tokens of all ``ep``
 ranks; a ``1/ep`` on the experts' gradients (and ``ep`` back on their inputs') makes it the mean over
-every rank, as for the other parameters. Expert parameter names keep the local index for now (EP rank 1
-of 2 names its first expert ``experts.0``): the composed EP x RaggedShard layout is not in the core yet.
+every rank, as for the other parameters.
+
+Names. In the module tree an EP rank's experts keep local indices (EP rank 1 of 2 with 8 experts calls
+expert 4 ``experts.0``; a fused tensor holds rows ``[4, 8)``): an ``nn.ModuleList`` numbers its children
+from 0 and a fused tensor has one name. Checkpoints use the one-process names: each expert parameter carries
+a ``CheckpointAs`` (``experts.4.w1.weight``; a fused slice as the whole ``[E, ...]`` tensor, ``Shard(0)``
+over ``ep`` around its ragged shard over ``fsdp``), so a DCP checkpoint moves between (ep, fsdp) layouts.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
-from torch_backend.fsdp import MixedPrecisionPolicy, fully_shard
+from torch_backend.fsdp import GranularityArg, MixedPrecisionPolicy, fully_shard
+from torch_backend.fsdp._dcp_checkpoint import CheckpointAs
 from torch_backend.models.moe import ExpertList, FusedExperts, MoEDecoder
 
 
@@ -130,8 +137,19 @@ def _keep_local_experts(experts: nn.Module, lo: int, hi: int) -> None:
     experts.n_experts = hi - lo
 
 
+def _name_globally(experts: nn.Module, ep_mesh: DeviceMesh, lo: int, n_experts: int) -> None:
+    """Give each (sharded) expert parameter its one-process name and shape in checkpoints."""
+    for name, p in experts.named_parameters():
+        if isinstance(experts, ExpertList):  # "0.w1.weight" -> "4.w1.weight"
+            local, _, rest = name.partition(".")
+            p.checkpoint_as = CheckpointAs(name, f"{lo + int(local)}.{rest}")
+        else:  # rows [lo, lo + E/ep) of the [E, ...] tensor
+            p.checkpoint_as = CheckpointAs(name, name, ep_mesh, Shard(0), (n_experts, *p.shape[1:]))
+
+
 def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_forward: bool = True,
-                    mp_policy: MixedPrecisionPolicy | None = None) -> MoEDecoder:
+                    mp_policy: MixedPrecisionPolicy | None = None, granularity: GranularityArg = None
+                    ) -> MoEDecoder:
     """Keep this EP rank's experts of every MoE layer, shard them over ``fsdp`` and hook their dispatch.
 
     Call before ``parallelize`` (which then shards the rest over all ranks).
@@ -144,6 +162,7 @@ def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_for
     Args:
         model: an ``MoEDecoder`` with every expert, built and initialised (the same values on every rank).
         ep_mesh: a 2-D mesh with dims ``("ep", "fsdp")`` over every rank.
+        reshard_after_forward, mp_policy, granularity: passed to the experts' ``fully_shard``.
 
     Raises:
         ValueError: the mesh is not ``(ep, fsdp)`` or ``ep`` does not divide the number of experts.
@@ -164,6 +183,7 @@ def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_for
         hooks = _ExpertParallelHooks(c.n_experts, ep_mesh.get_group("ep"), ep)
         experts.register_forward_pre_hook(hooks.dispatch)  # after FSDP's (it prepends its own)
         fully_shard(experts, mesh=ep_mesh["fsdp"], reshard_after_forward=reshard_after_forward,
-                    mp_policy=mp_policy)
+                    mp_policy=mp_policy, granularity=granularity)
         experts.register_forward_hook(hooks.combine, prepend=True)  # before FSDP's post-forward
+        _name_globally(experts, ep_mesh, lo, c.n_experts)
     return model
