@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_backend import flatten_params
+from jax_backend import flatten_params, make_mesh
 
 VOCAB, DIM, HIDDEN, EXPERTS, BLOCKS = 37, 21, 29, 3, 3
 BATCH, SEQ, STEPS = 24, 7, 5
@@ -109,10 +109,20 @@ def _with_aux(out):
     return out if isinstance(out, tuple) else (out, None)
 
 
-def train_reference(apply, params, loss_fn, data, opt=None) -> tuple[list[float], dict]:
+def train_reference(apply, params, loss_fn, data, opt=None, devices: int = 1) -> tuple[list[float], dict]:
     """Plain single-device training: ``jax.grad`` of ``loss_fn(apply(params, x), y)``, optax on the pytree
-    (``adamw()`` unless ``opt`` is given)."""
+    (``adamw()`` unless ``opt`` is given).
+
+    With ``devices`` > 1, the same program as GSPMD data parallelism, the baseline of the sharded tests
+    (jax_reference.within_baseline): the parameters and optimizer state replicated on the first
+    ``devices`` devices, each batch split over them by rows, and XLA's partitioner doing the rest (each
+    device's rows, then an all-reduce of the gradients): XLA's own data-parallel arithmetic, no shard_map."""
     opt = adamw() if opt is None else opt
+    if devices > 1:
+        mesh = make_mesh((devices,), ("data",))
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        rows = NamedSharding(mesh, P("data"))
+        data = [jax.device_put(b, rows) for b in data]
 
     @jax.jit
     def step(p, s, x, y):
@@ -127,9 +137,10 @@ def train_reference(apply, params, loss_fn, data, opt=None) -> tuple[list[float]
     return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}
 
 
-def nnx_reference(model: nnx.Module, data) -> tuple[list[float], dict]:
+def nnx_reference(model: nnx.Module, data, devices: int = 1) -> tuple[list[float], dict]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return train_reference(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, moe_loss, data)
+    apply = lambda p, x: nnx.merge(graphdef, p, rest)(x)  # noqa: E731
+    return train_reference(apply, params, moe_loss, data, devices=devices)
 
 
 def gspmd_step(apply, params, loss_fn, mesh, opt):

@@ -1,10 +1,13 @@
-"""Shared fixtures: llama-tiny, its data, and the single-device reference run (computed once per session).
+"""Shared fixtures: llama-tiny, its data, the single-device reference run and its GSPMD data-parallel
+baselines (each computed once per session).
 
 The reference is the plain way to train: ``jax.grad`` of the unsharded flax model and ``optax.adamw`` on
 the full parameter pytree, with none of jax_backend's buffers, layouts or collectives.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -28,3 +31,10 @@ def batches() -> np.ndarray:
 @pytest.fixture(scope="session")
 def reference(model: Llama, batches: np.ndarray) -> tuple[list[float], dict]:
     return train_reference(model, batches)
+
+
+@pytest.fixture(scope="session")
+def baseline(model: Llama, batches: np.ndarray, reference):
+    """``baseline(n)``: the reference's recipe as GSPMD data parallelism over n devices (the bound of
+    jax_reference.within_baseline), trained once per n; on one device it is the reference itself."""
+    return functools.cache(lambda n: reference if n == 1 else train_reference(model, batches, devices=n))

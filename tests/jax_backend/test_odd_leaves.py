@@ -12,7 +12,7 @@ import pytest
 
 from jax_backend import make_mesh, shard_model
 from tests.jax_backend.any_models import train_reference
-from tests.jax_backend.jax_reference import assert_params_close, rel_err
+from tests.jax_backend.jax_reference import assert_within_baseline
 
 
 def params() -> dict:
@@ -44,7 +44,8 @@ RECIPES = {
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_scalar_params_train_like_optax_on_the_full_pytree(recipe):
     """Both 0-d parameters (one in the root, one in a unit) equal optax's after three steps at 3 devices
-    (float32 sums in another order: within 1e-5, as the other optax tests)."""
+    (float32 sums in another order: within the bound of GSPMD data parallelism over the same 3 devices,
+    jax_reference.within_baseline)."""
     opt = RECIPES[recipe]()
     fsdp = shard_model(apply, make_mesh((3,), ("fsdp",)), params=params(), units=["layers.0"])
     buffers = fsdp.shard_params(params())
@@ -52,10 +53,12 @@ def test_scalar_params_train_like_optax_on_the_full_pytree(recipe):
     for b in DATA:
         buffers, state, value = step(buffers, state, b[:, :-1], b[:, 1:])
         losses.append(float(value))
-    ref_losses, ref_params = train_reference(apply, params(), loss, DATA, opt)
+    reference = train_reference(apply, params(), loss, DATA, opt)
+    baseline = train_reference(apply, params(), loss, DATA, opt, devices=3)
     got = {k: np.asarray(v) for k, v in fsdp.full_params(buffers).items()}
-    assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
-    assert_params_close(got, ref_params, 1e-5)
+    # Measured parameters, ours / baseline (2-core Xeon): at most 6.5e-8 / 5.9e-8 (adam), under the bound of
+    # one rounding per step (3.6e-7).
+    assert_within_baseline(losses, got, reference, baseline)
     assert got["scale"] != 1.5 and got["layers.0.gain"] != -0.7
 
 

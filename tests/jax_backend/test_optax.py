@@ -36,7 +36,7 @@ from jax_backend._compat import shard_map
 from jax_backend._names import fqn
 from jax_backend.optim import adamw8bit, shard_tiles
 from tests.jax_backend.any_models import BLOCKS, batches, mlp_apply, mlp_loss, mlp_params, train_reference
-from tests.jax_backend.jax_reference import rel_err
+from tests.jax_backend.jax_reference import assert_within_baseline, rel_err
 
 # Odd shapes, biases, a 3-D tensor, and tensors small enough that some device holds nothing of them.
 SPECS = (("blocks.0.w", (7, 5)), ("blocks.0.b", (5,)), ("experts", (3, 4, 6)), ("head.w", (5, 9)),
@@ -314,10 +314,12 @@ def test_pytree_recipes_equal_unsharded_optax(recipe, mesh_key, pytree_reference
 
 def test_pytree_recipe_trains_the_model_like_single_device():
     """The whole step (train_step: reduce-scatter, replica all-reduce, then the pieces) at HSDP 2 x 4
-    against single-device training with the same recipe: three steps, losses and params within 1e-5."""
+    against single-device training with the same recipe: three steps, losses and params within the bound
+    of GSPMD data parallelism over the same 8 devices (jax_reference.within_baseline)."""
     data = batches()[:3]
     make = PYTREE_RECIPES["global norm logged, clip_by_global_norm, adamw with decay on ndim > 1"]
-    ref_losses, ref_params = train_reference(mlp_apply, mlp_params(), mlp_loss, data, opt=make())
+    reference = train_reference(mlp_apply, mlp_params(), mlp_loss, data, opt=make())
+    baseline = train_reference(mlp_apply, mlp_params(), mlp_loss, data, opt=make(), devices=8)
     fsdp = shard_model(mlp_apply, make_mesh((2, 4), ("replica", "fsdp")), params=mlp_params(),
                        units=[f"layers.{i}" for i in range(BLOCKS)], replica_axis="replica")
     opt = make()
@@ -328,11 +330,5 @@ def test_pytree_recipe_trains_the_model_like_single_device():
     for b in data:
         buffers, state, loss = step(buffers, state, b[:, :-1], b[:, 1:])
         losses.append(float(loss))
-    # Bound: fp32 sharded vs one device, same recipe: data-parallel rounding (the batch mean summed in another
-    # order; on the demo's llama-tiny 3e-7 for losses, 6e-6 for parameters, AdamW-amplified). No derivation,
-    # CPU-dependent (issue 19): a bound relative to a data-parallel baseline, as in
-    # tests/experiments/test_demo.py, would give it one.
-    assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
-    got = _unpack(fsdp, buffers)
-    for n in ref_params:
-        assert rel_err(got[n], ref_params[n]) <= 1e-5, n
+    # Measured parameters, ours / baseline (2-core Xeon): 1.4e-6 / 1.2e-6 (the clip's global norm and AdamW).
+    assert_within_baseline(losses, _unpack(fsdp, buffers), reference, baseline)

@@ -13,7 +13,13 @@ from jax_backend._buffers import unpack_unit
 from jax_backend.models import cross_entropy, model_params, parallelize
 from ragged import plan_model
 from ragged.models import model_shapes
-from tests.jax_backend.jax_reference import assert_params_close, rel_err, train_fsdp, train_reference
+from tests.jax_backend.jax_reference import (
+    assert_params_close,
+    assert_within_baseline,
+    rel_err,
+    train_fsdp,
+    train_reference,
+)
 
 MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
 
@@ -28,7 +34,7 @@ def is_llama_unit(path: str, module) -> bool:
 # and planned in the model's own tensor order (shard_model) instead of the preset's (parallelize).
 @pytest.mark.parametrize("n, mode, predicate", [(1, "keep", False), (2, "remat", False), (3, "reshard", True),
                                                 (4, "remat", True), (8, "reshard", False)])
-def test_fsdp_matches_single_device(model, batches, reference, n, mode, predicate):
+def test_fsdp_matches_single_device(model, batches, reference, baseline, n, mode, predicate):
     mesh = make_mesh((n,), ("fsdp",))
     if predicate:
         fsdp = shard_model(model, mesh, units=is_llama_unit, root="output", **MODES[mode])
@@ -37,23 +43,19 @@ def test_fsdp_matches_single_device(model, batches, reference, n, mode, predicat
     else:
         fsdp = parallelize(model, mesh, **MODES[mode])
     losses, params = train_fsdp(fsdp, model, batches)
-    ref_losses, ref_params = reference
-    # Bound: fp32 sharded vs one device, same recipe: data-parallel rounding (the batch mean summed in another
-    # order; on the demo's llama-tiny 3e-7 for losses, 6e-6 for parameters, AdamW-amplified). No derivation,
-    # CPU-dependent (issue 19): a bound relative to a data-parallel baseline, as in
-    # tests/experiments/test_demo.py, would give it one.
-    assert rel_err(losses, ref_losses) <= 1e-5, (losses, ref_losses)
-    assert_params_close(params, ref_params, 1e-5)
+    # Bound: GSPMD data parallelism over the same n devices (jax_reference.within_baseline). Measured on a
+    # 2-core Xeon, parameters ours / baseline: 0 / 0 at 1 device (one rounding per step is the bound),
+    # 3.0e-7 / 3.0e-7 at 2, 5.7e-7 / 5.7e-7 at 3, 3.0e-7 / 3.0e-7 at 4, 1.0e-6 / 1.2e-6 at 8.
+    assert_within_baseline(losses, params, reference, baseline(n))
 
 
-def test_hsdp_2x2_matches_single_device(model, batches, reference):
+def test_hsdp_2x2_matches_single_device(model, batches, reference, baseline):
     mesh = make_mesh((2, 2), ("replica", "fsdp"))
     fsdp = parallelize(model, mesh, axis="fsdp", replica_axis="replica", remat=True)
     assert [lay.world_size for lay in fsdp.layouts] == [2] * len(fsdp.layouts)
     losses, params = train_fsdp(fsdp, model, batches)
-    ref_losses, ref_params = reference
-    assert rel_err(losses, ref_losses) <= 1e-5
-    assert_params_close(params, ref_params, 1e-5)
+    # The batch is split 4 ways, as by GSPMD over the same 4 devices (measured: 2.6e-7, baseline 3.0e-7).
+    assert_within_baseline(losses, params, reference, baseline(4))
 
 
 def test_bf16_compute_matches_bf16_reference(model, batches):
