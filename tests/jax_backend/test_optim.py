@@ -22,7 +22,7 @@ from jax_backend import full_params, make_mesh, on_shards, shard_params
 from jax_backend._compat import shard_map
 from jax_backend.models import parallelize
 from jax_backend.optim import adamw8bit, muon, muon_plan, newton_schulz, shard_tiles
-from tests.jax_backend.jax_reference import rel_err, train_fsdp, train_reference
+from tests.jax_backend.jax_reference import assert_within_baseline, train_fsdp, train_reference
 from tests.numpy_references import assert_tracks_fp32_adamw, newton_schulz_closed_form
 
 WORLDS = (1, 2, 3, 4)
@@ -230,7 +230,9 @@ def test_fsdp_train_step_with_structure_aware_optimizers_matches_single_device(n
         sharded, full = adamw8bit(3e-3, weight_decay=0.1, tiles=tiles), adamw8bit(3e-3, weight_decay=0.1)
     else:
         sharded, full = _muon(muon_plan(fsdp.layouts, fsdp.axis)), _muon()
-    losses, _ = train_fsdp(fsdp, model, batches, on_shards(sharded))  # layout-aware: skips check_optimizer
-    ref, _ = train_reference(model, batches, opt=full)
+    losses, params = train_fsdp(fsdp, model, batches, on_shards(sharded))  # layout-aware: no check_optimizer
     assert losses[-1] < losses[0] - 0.05, losses  # it trains
-    assert rel_err(losses, ref) <= 1e-4, (losses, ref)
+    # Bound: GSPMD data parallelism with the same whole-tensor optimizer on the same 2 devices, against the
+    # same single-device reference (8-bit codes and Newton-Schulz see the same data-parallel rounding).
+    assert_within_baseline(losses, params, train_reference(model, batches, opt=full),
+                           train_reference(model, batches, opt=full, devices=2))
