@@ -64,16 +64,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the projections' widths (-1), as in torchtitan: under tensor parallelism
+        # (``tensor_parallel.py``) each rank computes only its heads.
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)  # (B, T, KV, D)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q = self.wq(x).view(b, t, -1, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(b, t, -1, self.head_dim)  # (B, T, KV, D)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, self.theta), apply_rope(k, self.theta)
         repeat = self.n_heads // self.n_kv_heads  # each kv head serves `repeat` query heads
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)  # (B, T, H, D)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, D)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):
