@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ragged.models import LLAMA_TINY
 from tests.torch_backend._user_model_workers import rel_errors
 
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # torch's: both take it
 B, T, STEPS = 8, 8, 5  # 8 rows split over dp 1, 2 and 4; T splits over tp 2 (sequence parallel)
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 0
 
@@ -73,39 +75,40 @@ def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def shard_llama(model: nn.Module, dp_mesh: DeviceMesh, which: str) -> None:
+def shard_llama(model: nn.Module, dp_mesh: DeviceMesh, which: str, **kwargs) -> None:
     from torch_backend.models import parallelize
 
     if which == "ours":
-        parallelize(model, dp_mesh)
+        parallelize(model, dp_mesh, **kwargs)
         return
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(model.tok_embeddings, mesh=dp_mesh)
+    fully_shard(model.tok_embeddings, mesh=dp_mesh, **kwargs)
     for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard([model.norm, model.output], mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, **kwargs)
+    fully_shard([model.norm, model.output], mesh=dp_mesh, **kwargs)
+    fully_shard(model, mesh=dp_mesh, **kwargs)
 
 
-def shard_hf(model: nn.Module, dp_mesh: DeviceMesh, which: str) -> None:
+def shard_hf(model: nn.Module, dp_mesh: DeviceMesh, which: str, **kwargs) -> None:
     if which == "ours":
         from torch_backend import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
     for layer in model.model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model.model.embed_tokens, mesh=dp_mesh)
-    fully_shard([model.model.norm, model.lm_head], mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, **kwargs)
+    fully_shard(model.model.embed_tokens, mesh=dp_mesh, **kwargs)
+    fully_shard([model.model.norm, model.lm_head], mesh=dp_mesh, **kwargs)
+    fully_shard(model, mesh=dp_mesh, **kwargs)
 
 
 MODELS = {"llama": (llama, "ours", shard_llama), "hf": (hf_llama, "hf", shard_hf)}
 
 
-def build(kind: str, mesh: DeviceMesh | None, which: str, dp: tuple[str, ...] = ("dp",)) -> nn.Module:
+def build(kind: str, mesh: DeviceMesh | None, which: str, dp: tuple[str, ...] = ("dp",),
+          **shard_kwargs) -> nn.Module:
     """The model of ``kind``: plain for the reference (``mesh`` None), else TP on ``mesh["tp"]`` and then
-    ``which`` FSDP ("ours" or "fsdp2") on ``mesh[dp]``."""
+    ``which`` FSDP ("ours" or "fsdp2") on ``mesh[dp]`` with ``shard_kwargs``."""
     make, tp_plan, shard = MODELS[kind]
     model = make()
     if mesh is None:
@@ -116,7 +119,7 @@ def build(kind: str, mesh: DeviceMesh | None, which: str, dp: tuple[str, ...] = 
         from torch_backend.models import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"])
-    shard(model, mesh[dp], which)
+    shard(model, mesh[dp], which, **shard_kwargs)
     return model
 
 
@@ -193,11 +196,11 @@ def dp_position(mesh: DeviceMesh, dp: tuple[str, ...]) -> tuple[int, int]:
     return rank, size
 
 
-def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict) -> dict:
+def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, **shard_kwargs) -> dict:
     """Ours and FSDP2 on the same TP case against the reference and against each other; ours' placements."""
     out, params = {}, {}
     for which in ("ours", "fsdp2"):
-        model = build(kind, mesh, which, dp)
+        model = build(kind, mesh, which, dp, **shard_kwargs)
         got, _ = train(model, which, *dp_position(mesh, dp))
         params[which] = full_params(model)
         out[which] = {"loss": rel(got["losses"], ref["losses"]), "norm": rel(got["norms"], ref["norms"]),
@@ -315,6 +318,7 @@ def checks(rank: int, world: int, ckpt_dir: str) -> dict:
         return _run({
             "llama": lambda: composed("llama", mesh, ("dp",), reference("llama")),
             "hf": lambda: composed("hf", mesh, ("dp",), reference("hf")),
+            "llama_bf16": lambda: composed("llama", mesh, ("dp",), reference("llama"), mp_policy=BF16),
             "redistribute": lambda: redistributed(mesh),
             "refusals": lambda: refusals(mesh),
             "dcp_save": lambda: dcp_save(mesh, ckpt_dir),
