@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama-tiny", choices=ragged.models.trained_model_names())
     p.add_argument("--hsdp", default="1", help="HSDP replica count R (shard over world/R devices), or 'auto' "
                    "for the advisor's choice (ragged advise)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="torch: tensor-parallel degree (torchtitan's llama plan, sequence parallel included) "
+                        "inside each data-parallel group; the mesh is (replicate, shard, tp)")
     p.add_argument("--granularity", default="auto",
                    help="matrix granularity (rows:N, tiles:RxC, element, ...); auto: rows:1, 32x32 tiles for "
                         "adam8bit")
@@ -89,10 +92,14 @@ def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig | ra
         replicas = max(fits, key=lambda o: o.group_size).replicas if fits else 1
     else:
         replicas = int(args.hsdp)
-    if replicas < 1 or world % replicas:
-        raise SystemExit(f"--hsdp {replicas}: the replica count must divide the {world} devices")
-    if args.batch % world:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} devices (data parallel)")
+    if args.tp < 1 or world % args.tp or args.seq_len % args.tp:
+        raise SystemExit(f"--tp {args.tp}: the tensor-parallel degree must divide the {world} devices and "
+                         f"--seq-len {args.seq_len} (sequence parallel)")
+    dp = world // args.tp  # devices that see different rows
+    if replicas < 1 or dp % replicas:
+        raise SystemExit(f"--hsdp {replicas}: the replica count must divide the {dp} data-parallel devices")
+    if args.batch % dp:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {dp} data-parallel devices")
     args.replicas = replicas
     return ragged.models.memory_plan(args.model, config, world, replicas=replicas, granularity=granularity,
                               dtype=args.dtype, optimizer=args.optimizer,
@@ -104,6 +111,9 @@ def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig | ra
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     config, modelled = ragged.models.trained_model(args.model)
+    if args.tp > 1 and (args.stack == "jax" or isinstance(config, ragged.models.MoeConfig)):
+        raise SystemExit(f"--tp {args.tp}: tensor parallelism is wired for the torch stack's llamas only, "
+                         f"not {args.stack} {args.model}")
     if args.stack == "jax" and isinstance(config, ragged.models.MoeConfig):
         config, modelled = ragged.models.trained_llama(args.model)  # JAX MoE training is not wired yet
 
@@ -128,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     settings = {k: getattr(args, k) for k in ("stack", "model", "hsdp", "granularity", "optimizer", "lr",
                                               "weight_decay", "dtype", "batch", "seq_len", "seed", "data")}
+    if args.tp > 1:  # only then: checkpoints written before --tp existed still resume
+        settings["tp"] = args.tp
     if args.stack == "torch":
         from experiments._train import torch_run
 

@@ -317,7 +317,7 @@ class Unit:
             pending.wait()
             with self._keep_version:  # restores the version remembered at issue
                 pass
-            self._version = version_of(self.compute.full)
+            self._version = self._written_version()
             self._grouped = None  # gathered from: no longer needed
         if self.state is not UnitState.UNSHARDED:
             for sharded, unsharded in zip(self.sharded, self.unsharded):
@@ -342,7 +342,7 @@ class Unit:
             self.state = UnitState.SHARDED
         if self.state is not UnitState.UNSHARDED:
             return
-        if version_of(self.compute.full) != self._version:
+        if self._written_version() != self._version:
             lo, hi = self.layout.shard_range(self.rank)
             self.master.copy_(self.compute.full[lo:hi])
         self._register(self.sharded)
@@ -355,6 +355,15 @@ class Unit:
             self._grouped.copy_(part)
             self.state = UnitState.GROUPED
         self.compute.free_full()
+
+    def _written_version(self) -> int:
+        """A number that grows with every in-place write into the unsharded parameters.
+
+        The buffer's version counter sees writes into its views; a write into a TP parameter (a DTensor
+        over a view) runs on the local view below autograd and bumps only the DTensor's own counter.
+        """
+        return version_of(self.compute.full) + sum(
+            version_of(p) for p, tp in zip(self.unsharded, self.tensor_parallel) if tp is not None)
 
     def set_post_forward_group(self, group: dist.ProcessGroup, index: int, size: int) -> None:
         """``reshard_after_forward=size``: this rank is ``index`` in ``group`` (consecutive shard ranks)."""

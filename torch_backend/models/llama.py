@@ -14,6 +14,7 @@ from collections.abc import Collection
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ragged.models import LLAMA_TINY, LlamaConfig
 
@@ -140,7 +141,8 @@ def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | Non
     with ``(seed, i)``: matrices and biases ~ N(0, 0.02^2), the embedding ~ N(0, 1), norms = 1. Because no
     value depends on the device or on other parameters, a model built on the meta device and
     sharded first gets exactly the values of a model built in one process. ``only`` (FQNs) limits
-    it to some parameters with unchanged values, e.g. one unsharded FSDP unit at a time.
+    it to some parameters with unchanged values, e.g. one unsharded FSDP unit at a time. A parameter that
+    tensor parallelism made a DTensor gets its part of the same value.
     """
     for i, (name, p) in enumerate(model.named_parameters()):
         if only is not None and name not in only:
@@ -151,6 +153,8 @@ def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | Non
         else:
             std = 1.0 if name.startswith("tok_embeddings") else 0.02
             value = torch.randn(p.shape, generator=g) * std
+        if isinstance(p, DTensor):  # split by tensor parallelism: this rank's part, cut locally
+            value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
         p.copy_(value)
 
 
