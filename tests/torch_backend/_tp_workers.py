@@ -198,10 +198,16 @@ def dp_position(mesh: DeviceMesh, dp: tuple[str, ...]) -> tuple[int, int]:
 
 def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, **shard_kwargs) -> dict:
     """Ours and FSDP2 on the same TP case against the reference and against each other; ours' placements."""
+    from torch_backend import debug_counter
+
     out, params = {}, {}
     for which in ("ours", "fsdp2"):
         model = build(kind, mesh, which, dp, **shard_kwargs)
-        got, _ = train(model, which, *dp_position(mesh, dp))
+        with debug_counter() as counter:
+            got, _ = train(model, which, *dp_position(mesh, dp))
+        if which == "ours":  # zero-copy with TP too: no bytes copied outside collectives, one reduce per unit
+            out["copy_bytes"] = counter.copy_bytes
+            out["reduce_scatters"] = sorted(set(counter.per_label("reduce_scatter").values()))
         params[which] = full_params(model)
         out[which] = {"loss": rel(got["losses"], ref["losses"]), "norm": rel(got["norms"], ref["norms"]),
                       "params": rel_errors(params[which], ref["params"])}

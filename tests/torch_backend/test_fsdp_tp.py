@@ -54,6 +54,7 @@ def assert_trains_like_reference_and_fsdp2(r: dict) -> None:
     assert ours["params"] <= FP32_RTOL and fsdp2["params"] <= FP32_RTOL, r
     assert ours["params"] <= FSDP2_FACTOR * fsdp2["params"], r
     assert r["ours_vs_fsdp2"] <= FP32_RTOL, r
+    assert r["copy_bytes"] == 0 and r["reduce_scatters"] == [W.STEPS], r  # zero-copy; one reduce per unit
 
 
 @pytest.mark.parametrize("case, world", [("llama", 4), ("hf", 4), ("llama_hsdp", 8), ("hf_hsdp", 8)])
