@@ -1,6 +1,7 @@
 """Train a llama at any preset's size with ragged-fsdp, on PyTorch or on JAX: one entry point for clusters.
 
     torchrun --nnodes N --nproc-per-node 8 -m experiments.train --stack torch --model llama3-8b ...
+    torchrun --nnodes N --nproc-per-node 8 -m experiments.train --stack torch --model llama3-70b --tp 8
     python -m experiments.train --stack jax --model llama3-8b ...        # one process per host
     python -m experiments.train --model llama3-70b --gpus 256 --dry-run  # the per-device memory plan
 
