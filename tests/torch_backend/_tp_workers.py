@@ -236,8 +236,10 @@ def redistributed(mesh: DeviceMesh) -> dict:
 
 
 def refusals(mesh: DeviceMesh) -> dict[str, str]:
-    """What fully_shard refuses of TP DTensors, each on every rank before any collective."""
+    """What fully_shard and the structure-aware optimizers refuse of TP DTensors, each on every rank
+    before any collective."""
     from torch_backend import fully_shard
+    from torch_backend.optim import Adam8bit, Muon
 
     def attempt(weight: DTensor, dp_mesh: DeviceMesh = mesh["dp"]) -> str:
         layer = nn.Linear(4, 4, bias=False)
@@ -248,8 +250,17 @@ def refusals(mesh: DeviceMesh) -> dict[str, str]:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
+    def optimizer(cls: type) -> str:
+        try:
+            cls(build("llama", mesh, "ours").named_parameters(), lr=LR)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     return {
+        "adam8bit": optimizer(Adam8bit),  # its tiles and Muon's matrices are whole only on the dp dim
+        "muon": optimizer(Muon),
         "partial": attempt(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()])),
         "uneven": attempt(distribute_tensor(torch.ones(3, 4), mesh["tp"], [Shard(0)])),
         "other_mesh": attempt(distribute_tensor(torch.ones(4, 4), other["b"], [Shard(0)])),

@@ -93,6 +93,14 @@ def test_dcp_saved_at_dp2_tp2_loads_at_another_mesh_and_trains_on(run, case, wor
     assert r["loss"] <= LOSS_RTOL and r["after"] <= FP32_RTOL, r  # step 6 against the reference's
 
 
+@pytest.mark.parametrize("optimizer", ["adam8bit", "muon"])
+def test_8bit_adam_and_muon_refuse_tp_split_parameters_naming_them(run, optimizer):
+    # Their tiles and Newton-Schulz matrices are made whole over the data-parallel dim only.
+    message = rank0_result(run, 4, "refusals")[optimizer]
+    assert message.startswith("PlacementError: tok_embeddings.weight: placements"), message
+    assert "are not supported by this optimizer" in message, message
+
+
 @pytest.mark.parametrize("case, rule", [
     ("partial", "composes with tensor parallelism's Shard(dim) and Replicate only"),
     ("uneven", "does not split evenly over 2 TP ranks"),
