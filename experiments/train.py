@@ -1,6 +1,7 @@
 """Train a llama at any preset's size with ragged-fsdp, on PyTorch or on JAX: one entry point for clusters.
 
     torchrun --nnodes N --nproc-per-node 8 -m experiments.train --stack torch --model llama3-8b ...
+    torchrun --nnodes N --nproc-per-node 8 -m experiments.train --stack torch --model llama3-70b --tp 8
     python -m experiments.train --stack jax --model llama3-8b ...        # one process per host
     python -m experiments.train --model llama3-70b --gpus 256 --dry-run  # the per-device memory plan
 
@@ -11,9 +12,10 @@ model, one sharded jitted init per unit), trains on synthetic tokens or a ``.bin
 progress bar with loss, tokens/s, MFU and peak memory, writes a JSON line per step, and checkpoints every
 ``--save-interval`` steps; a relaunch with the same ``--checkpoint-dir`` resumes from the newest one.
 Models: see ``ragged.models.trained_model_names()``: the llamas, and the mixture-of-experts presets
-(``mixtral-8x7b``, ``gpt-oss-120b``, ``deepseek-v3`` at full size, ``*-tiny`` at CPU size), which the torch
-stack trains as MoE decoders (docs/moe.md) and the JAX stack as MoE decoders with expert parallelism
-(``--ep``, default 1) composed with FSDP. Cluster recipes: docs/cluster.md.
+(``mixtral-8x7b``, ``gpt-oss-120b``, ``deepseek-v3`` at full size, ``*-tiny`` at CPU size), which both stacks
+train as MoE decoders (docs/moe.md), with expert parallelism composed with FSDP under ``--ep N``; the torch
+stack takes tensor parallelism inside each data-parallel group under ``--tp N`` (llamas). Cluster recipes:
+docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -38,14 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hsdp", default="1", help="HSDP replica count R (shard over world/R devices), or 'auto' "
                    "for the advisor's choice (ragged advise)")
     p.add_argument("--ep", type=int, default=1,
-                   help="torch, MoE models: expert parallelism over N ranks (each keeps E/N experts, sharded "
-                        "over world/N ranks; the rest is sharded over all; docs/moe.md)")
+                   help="MoE models, both stacks: expert-parallel degree (each EP rank keeps E/ep experts of "
+                        "every MoE layer, sharded over world / ep ranks; the rest over all; docs/moe.md)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="torch: tensor-parallel degree (torchtitan's llama plan, sequence parallel included) "
+                        "inside each data-parallel group; the mesh is (replicate, shard, tp)")
     p.add_argument("--granularity", default="auto",
                    help="matrix granularity (rows:N, tiles:RxC, element, ...); auto: rows:1, 32x32 tiles for "
                         "adam8bit")
-    p.add_argument("--ep", type=int, default=1,
-                   help="JAX, MoE models: expert-parallel degree (each EP rank keeps E/ep experts of every "
-                        "MoE layer, sharded over world / (hsdp * ep) devices; docs/moe.md)")
     p.add_argument("--optimizer", choices=("adamw", "adam8bit", "muon"), default="adamw")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -79,8 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.log = Path(args.checkpoint_dir) / "log.jsonl"
     if args.save_interval < 1:
         p.error("--save-interval must be at least 1")
-    if args.ep < 1 or args.ep > 1 and args.stack != "torch":
-        p.error(f"--ep {args.ep}: expert parallelism is a positive degree, on the torch stack")
+    if args.ep < 1:
+        p.error(f"--ep {args.ep}: expert parallelism is a positive degree")
     return args
 
 
@@ -97,10 +99,14 @@ def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig | ra
         replicas = max(fits, key=lambda o: o.group_size).replicas if fits else 1
     else:
         replicas = int(args.hsdp)
-    if replicas < 1 or world % replicas:
-        raise SystemExit(f"--hsdp {replicas}: the replica count must divide the {world} devices")
-    if args.batch % world:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} devices (data parallel)")
+    if args.tp < 1 or world % args.tp or args.seq_len % args.tp:
+        raise SystemExit(f"--tp {args.tp}: the tensor-parallel degree must divide the {world} devices and "
+                         f"--seq-len {args.seq_len} (sequence parallel)")
+    dp = world // args.tp  # devices that see different rows
+    if replicas < 1 or dp % replicas:
+        raise SystemExit(f"--hsdp {replicas}: the replica count must divide the {dp} data-parallel devices")
+    if args.batch % dp:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {dp} data-parallel devices")
     args.replicas = replicas
     return ragged.models.memory_plan(args.model, config, world, replicas=replicas, granularity=granularity,
                               dtype=args.dtype, optimizer=args.optimizer,
@@ -112,9 +118,11 @@ def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig | ra
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     config, modelled = ragged.models.trained_model(args.model)
-    if args.ep != 1 and not (args.stack == "jax" and isinstance(config, ragged.models.MoeConfig)):
-        raise SystemExit(f"--ep {args.ep}: expert parallelism is for MoE models on --stack jax here "
-                         f"(got --stack {args.stack} --model {args.model})")
+    if args.ep != 1 and not isinstance(config, ragged.models.MoeConfig):
+        raise SystemExit(f"--ep {args.ep}: it trains mixture-of-experts models only (got {args.model})")
+    if args.tp > 1 and (args.stack == "jax" or isinstance(config, ragged.models.MoeConfig)):
+        raise SystemExit(f"--tp {args.tp}: tensor parallelism is wired for the torch stack's llamas only, "
+                         f"not {args.stack} {args.model}")
 
     def plan_check(world: int, capacity: int, rank0: bool) -> None:
         """Every rank computes the same plan from the same (agreed) capacity, so all refuse or none."""
@@ -135,9 +143,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{args.model}: {modelled}")
         print(memory_plan(args, config, gpus).describe())
         return {}
-    settings = {k: getattr(args, k) for k in ("stack", "model", "hsdp", "ep", "granularity", "optimizer",
-                                              "lr", "weight_decay", "dtype", "batch", "seq_len", "seed",
-                                              "data")}
+    settings = {k: getattr(args, k) for k in ("stack", "model", "hsdp", "granularity", "optimizer", "lr",
+                                              "weight_decay", "dtype", "batch", "seq_len", "seed", "data")}
+    if args.tp > 1:  # only then: checkpoints written before --tp existed still resume
+        settings["tp"] = args.tp
+    if args.ep > 1 and args.stack == "jax":  # torch checkpoints use one-process names: any --ep resumes them
+        settings["ep"] = args.ep
     if args.stack == "torch":
         from experiments._train import torch_run
 

@@ -63,20 +63,23 @@ def device_capacity(dev: torch.device) -> int:
 
 
 def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mesh: DeviceMesh,
-          dev: torch.device):
-    """Meta-device model -> activation checkpointing -> ``parallelize`` -> values one unit at a time.
+          dev: torch.device, tp_mesh: DeviceMesh | None = None):
+    """Meta-device model -> tensor parallelism on ``tp_mesh`` -> activation checkpointing -> ``parallelize``
+    on the data-parallel ``mesh`` -> values one unit at a time (torchtitan's order).
 
     With ``--ep N``: the whole model is built and initialised on ``dev`` first (``init_parameters`` numbers
     parameters in one process's order, which a rank that dropped the other EP ranks' experts no longer has),
     then ``expert_parallel`` on an ``(ep, fsdp) = (N, world / N)`` mesh keeps this rank's experts."""
     from torch_backend import MixedPrecisionPolicy, unsharded
-    from torch_backend.models import Llama, MoEDecoder, parallelize
+    from torch_backend.models import Llama, MoEDecoder, apply_tensor_parallel, parallelize
     from torch_backend.models.expert_parallel import expert_parallel
 
     with torch.device("meta" if args.ep == 1 else dev):
         model = MoEDecoder(config) if isinstance(config, ragged.models.MoeConfig) else Llama(config)
     if args.ep > 1:
         model.init_weights(args.seed)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh)
     if args.activation_checkpointing:
         for block in model.layers:  # before fully_shard: the recompute runs inside the unit's backward
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -182,17 +185,19 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
         dist.all_reduce(capacity, dist.ReduceOp.MIN)  # one number on every rank: all refuse, or none
         plan_check(world, int(capacity.item()), rank == 0)
         check_ep(args, config, world)
-        replicas = args.replicas
-        mesh = (init_device_mesh(dev.type, (world,), mesh_dim_names=("shard",)) if replicas == 1 else
-                init_device_mesh(dev.type, (replicas, world // replicas),
-                                 mesh_dim_names=("replicate", "shard")))
+        replicas, tp = args.replicas, args.tp
+        dims = {"replicate": replicas, "shard": world // replicas // tp, "tp": tp}
+        dims = {name: size for name, size in dims.items() if size > 1 or name == "shard"}
+        mesh = init_device_mesh(dev.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+        dp_names = tuple(name for name in dims if name != "tp")
+        dp_mesh = mesh if tp == 1 else mesh[dp_names]
         ckpt_root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         if ckpt_root is not None:
             if rank == 0:
                 checkpoints.check_settings(ckpt_root, settings, write=True)
             dist.barrier()
             checkpoints.check_settings(ckpt_root, settings, write=False)
-        model = build(args, config, mesh, dev)
+        model = build(args, config, dp_mesh, dev, mesh["tp"] if tp > 1 else None)
         loss_fn = loss_function(config)
         opt = optimizer(args, model)
         first = 0
@@ -200,7 +205,8 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
             first, path = found
             load(path, model, opt, args.optimizer)
         data = TokenSource(config.vocab_size, args.seq_len, args.batch, args.seed, args.data, args.data_dtype)
-        rows = args.batch // world
+        rows = args.batch // (world // tp)
+        dp_rank = rank // tp  # the mesh is row-major with tp last: a dp group's TP ranks read the same rows
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         monitor = Monitor(rank0=rank == 0, steps=args.steps, first_step=first,
                           tokens_per_step=args.batch * args.seq_len,
@@ -208,7 +214,8 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
                           peak=peak_tflops(name, args.peak_tflops), log_path=args.log, show_bar=args.progress)
         with monitor:
             for step in range(first, args.steps):
-                tokens = torch.from_numpy(data.rows(step, rank * rows, (rank + 1) * rows)).long().to(dev)
+                first_row = dp_rank * rows
+                tokens = torch.from_numpy(data.rows(step, first_row, first_row + rows)).long().to(dev)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()

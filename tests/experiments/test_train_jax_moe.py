@@ -34,8 +34,7 @@ def test_expert_parallel_trains_the_moe_as_fsdp_does(tmp_path):
     np.testing.assert_allclose([ep[s] for s in range(STEPS)], [fsdp[s] for s in range(STEPS)], rtol=LOSS_RTOL)
 
 
-def test_ep_outside_a_jax_moe_run_is_refused(tmp_path):
-    cmd = [sys.executable, "-m", "experiments.train", "--stack", "torch", "--model", "mixtral-tiny",
-           "--ep", "2"]
+def test_ep_on_a_dense_model_is_refused(tmp_path):
+    cmd = [sys.executable, "-m", "experiments.train", "--stack", "jax", "--model", "llama-tiny", "--ep", "2"]
     done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
-    assert done.returncode != 0 and "expert parallelism is for MoE models on --stack jax" in done.stderr
+    assert done.returncode != 0 and "--ep 2: it trains mixture-of-experts models only" in done.stderr

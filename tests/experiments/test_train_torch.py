@@ -65,6 +65,23 @@ def test_torchrun_two_gloo_processes_match_plain_training_and_resume_bit_exactly
                                                                          "step_00000005"]
 
 
+def test_torchrun_tensor_parallel_matches_plain_training(tmp_path):
+    """``--tp 2`` on 4 gloo processes: a (dp 2, tp 2) mesh, torchtitan's plan with sequence parallel, then
+    fully_shard on dp; the meta-device init writes each TP rank's part, and every step's loss equals plain
+    single-process training."""
+    args = [*TINY, "--steps", str(STEPS), "--lr", str(LR), "--weight-decay", str(WD), "--tp", "2",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    result = torchrun(4, args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = losses(tmp_path / "ckpt" / "log.jsonl")
+    np.testing.assert_allclose([got[s] for s in range(STEPS)], plain_torch_losses(STEPS), rtol=LOSS_RTOL)
+
+
+def test_tp_that_does_not_divide_the_devices_or_the_sequence_is_refused():
+    with pytest.raises(SystemExit, match="--tp 3: the tensor-parallel degree must divide"):
+        main([*TINY, "--tp", "3", "--dry-run", "--gpus", "4"])
+
+
 def plain_moe_losses(name: str, steps: int, ranks: int) -> list[float]:
     """The MoE reference: one process, no sharding; each step averages the loss of each rank's rows, computed
     apart (the load-balancing loss is a product of per-batch means, so it is defined per rank's batch, as

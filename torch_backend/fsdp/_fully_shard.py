@@ -23,6 +23,7 @@ from torch_backend._torch_internals import offset_free, source_mesh
 from torch_backend.fsdp._api import as_mp_policy, offloads_to_cpu
 from torch_backend.fsdp._hooks import EmbeddingRenorm, FSDPState, states_under
 from torch_backend.fsdp._module import FSDPModule
+from torch_backend.fsdp._tensor_parallel import check_one_tp_mesh, tensor_parallel
 from torch_backend.fsdp._unit import ParamRef, Unit
 
 GranularityArg = GranularityRule | Granularity | int | str | None
@@ -66,10 +67,16 @@ def _uses(modules: Sequence[nn.Module], ignored: frozenset[int] = frozenset()
     return out
 
 
-def _resolve_granularity(granularity: GranularityArg, name: str, param: torch.Tensor) -> Granularity:
+def _resolve_granularity(granularity: GranularityArg, name: str, shape: tuple[int, ...]) -> Granularity:
     if callable(granularity):
-        return Granularity.parse(granularity(name, tuple(param.shape)))
-    return ragged.granularity_for(tuple(param.shape), "rows:1" if granularity is None else granularity)
+        return Granularity.parse(granularity(name, shape))
+    return ragged.granularity_for(shape, "rows:1" if granularity is None else granularity)
+
+
+def _packed_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape the unit's buffer holds: a TP parameter's local tensor (FSDP shards each TP rank's
+    part, as FSDP2 does), a plain parameter itself."""
+    return tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
 
 
 def _as_list(module_or_modules: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -101,6 +108,8 @@ def plan_module(module_or_modules: nn.Module | Sequence[nn.Module], world_size: 
             one granularity for every matrix (e.g. ``"rows:32"``), or a function ``(name, shape) ->``
             granularity (``ragged.GranularityRule``, as on JAX), called with the names that go into the
             Layout: relative to the module (FSDP2 has no root at wrap time) unless ``root`` is given.
+            A parameter that tensor parallelism made a DTensor is planned (and given to ``granularity``)
+            with this rank's TP-local shape: the unit packs each TP rank's local storage.
         root: when given, tensors are named by their FQN under ``root`` and the Layout by the FQN of
             the last module (``"output"`` for ``[model.norm, model.output]``); otherwise names are
             relative to the module (prefixed by the list index for a list).
@@ -124,8 +133,9 @@ def plan_module(module_or_modules: nn.Module | Sequence[nn.Module], world_size: 
             raise ValueError(f"plan_module: module(s) {missing} are not inside root {type(root).__name__}")
         names = [_join(fqns[id(owner)], attr) for _, owner, attr, _ in params]
         unit_name = fqns[id(modules[-1])]
-    specs = [TensorSpec(n, tuple(p.shape), _resolve_granularity(granularity, n, p))
-             for n, (_, _, _, p) in zip(names, params)]
+    shapes = [_packed_shape(p) for *_, p in params]
+    specs = [TensorSpec(n, shape, _resolve_granularity(granularity, n, shape))
+             for n, shape in zip(names, shapes)]
     itemsize = params[0][3].element_size() if params else 4
     return ragged.plan(specs, world_size, itemsize=itemsize, name=unit_name)
 
@@ -161,8 +171,12 @@ def _check_mesh_covers(mesh: DeviceMesh) -> None:
                          "from such a mesh)")
 
 
-def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> None:
-    """Reject bad input before any collective, with the same message on every rank."""
+def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> list:
+    """Reject bad input before any collective, with the same message on every rank.
+
+    Returns:
+        Each parameter's TP split (``_tensor_parallel.TensorParallel``) or None.
+    """
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard: mesh must be 1-D (shard) or 2-D (replicate, shard), got "
                          f"{mesh.ndim}-D mesh {tuple(mesh.shape)}")
@@ -171,10 +185,9 @@ def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> None:
         if isinstance(m, TorchFSDPModule):  # ours or FSDP2's
             raise ValueError(f"fully_shard: {type(m).__name__} is already sharded; call fully_shard once per "
                              "module")
+    tps = [tensor_parallel(name, p, mesh) for name, _, _, p in params]
+    check_one_tp_mesh(type(modules[-1]).__name__, tps)
     for name, _, _, p in params:
-        if isinstance(p, DTensor):
-            raise ValueError(f"fully_shard: parameter {name!r} is already a DTensor ({p.placements}); "
-                             "fully_shard takes plain parameters")
         if not p.dtype.is_floating_point:
             raise ValueError(f"fully_shard: parameter {name!r} has dtype {p.dtype}; only floating "
                              "parameters can be sharded")
@@ -183,6 +196,7 @@ def _check(modules: list[nn.Module], params: list, mesh: DeviceMesh) -> None:
         by_dtype = {d: [n for n, *_, p in params if str(p.dtype) == d][:3] for d in dtypes}
         raise ValueError(f"fully_shard: one unit holds one dtype, but its parameters have {by_dtype}; "
                          "cast the module or shard the parts separately")
+    return tps
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
@@ -206,7 +220,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     Args:
         module: a module, or a list of modules sharded as one unit (e.g. ``[model.norm, model.output]``).
         mesh: a 1-D mesh or a 2-D ``(replicate, shard)`` mesh for HSDP; default: every rank of the default
-            process group on its device type.
+            process group on its device type. Parameters that tensor parallelism made DTensors
+            (``Shard(d)`` or ``Replicate`` on a 1-D TP mesh cut from the same mesh, torchtitan's recipe:
+            ``fully_shard(block, mesh=mesh["dp"])`` after ``parallelize_module(model, mesh["tp"], ...)``)
+            are sharded by their TP-local tensors; the sharded parameter is a DTensor on the joined
+            ``(dp, tp)`` mesh (``_tensor_parallel.py``).
         reshard_after_forward: free the unsharded parameters after forward (all-gather again in
             backward); None (default): True for every unit but the root. An int ``N`` is FSDP2's group
             size to reshard to: each rank keeps 1/N of the unsharded unit after forward and backward
@@ -235,13 +253,13 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     """
     modules = _as_list(module)
     if dp_mesh_dims is not None:
-        raise NotImplementedError("fully_shard: dp_mesh_dims (FSDP2's SPMD mesh, whose parameters are "
-                                  "already DTensors) is not supported: pass plain parameters and the "
-                                  "data-parallel mesh (1-D, or 2-D (replicate, shard) for HSDP)")
+        raise NotImplementedError("fully_shard: dp_mesh_dims (FSDP2's SPMD mesh) is not supported: pass the "
+                                  "data-parallel mesh (1-D, or 2-D (replicate, shard) for HSDP), cut from "
+                                  "the same mesh as a TP mesh if the parameters are TP DTensors")
     mesh = mesh or _default_mesh()
     ignored = _ids(ignored_params)
     params = _managed(modules, ignored)
-    _check(modules, params, mesh)
+    tps = _check(modules, params, mesh)
     reshard_after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh)
     _check_placements(shard_placement_fn, params)
     mp_policy = as_mp_policy(mp_policy)
@@ -255,7 +273,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 shared.setdefault(id(p), []).append((owner, attr))
         refs = [ParamRef(n, owner, attr, tuple(shared.get(id(p), ()))) for n, owner, attr, p in params]
         unit = Unit(layout.name, layout, refs, [p for *_, p in params], mesh, mp_policy,
-                    offload=offload, pin_memory=pin_memory)
+                    offload=offload, pin_memory=pin_memory, tensor_parallel=tps)
         if not isinstance(reshard_after_forward, bool | None):
             group, index = _post_forward_group(mesh, reshard_after_forward)
             unit.set_post_forward_group(group, index, reshard_after_forward)
@@ -392,13 +410,15 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
 
     One norm kernel per unit (over its gradient shard; padding is zero), one all-reduce for the whole
     model over the sharding group, one in-place scale per unit. Same result as
-    ``torch.nn.utils.clip_grad_norm_`` on the unsharded gradients.
+    ``torch.nn.utils.clip_grad_norm_`` on the unsharded gradients. With tensor parallelism, the
+    parameters TP shards are normed one by one and their sum is first all-reduced over the TP group
+    (each TP rank holds a different part of them; TP-replicated ones are counted once).
 
     Returns:
         The total norm (a scalar tensor, the same on every rank).
 
     Raises:
-        ValueError: a non-positive or infinite ``norm_type``.
+        ValueError: a non-positive or infinite ``norm_type``, or units on different TP meshes.
     """
     if not (0 < norm_type < math.inf):
         raise ValueError(f"clip_grad_norm_: norm_type={norm_type} must be a positive finite number")
@@ -406,7 +426,25 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     if not live:
         return torch.zeros(())
     # On the collectives' device (offloaded gradients live on the host, NCCL reduces device tensors).
-    total = torch.stack([u.main_grad.norm(norm_type).to(live[0].device) ** norm_type for u in live]).sum()
+    device = live[0].device
+    tp_groups = {id(u.tp_group): u.tp_group for u in live if u.tp_group is not None}
+    if len(tp_groups) > 1:
+        raise ValueError(f"clip_grad_norm_: the units under {type(module).__name__} use {len(tp_groups)} "
+                         "different TP meshes; their norms cannot be summed over one TP group")
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    replicated, tp_sharded = [zero], [zero]  # p-th powers of local norms
+    for u in live:
+        if u.tp_group is None:
+            replicated.append(u.main_grad.norm(norm_type).to(device) ** norm_type)
+            continue
+        for ref, tp in zip(u.refs, u.tensor_parallel):
+            norm = torch.linalg.vector_norm(u.main_grad.shard_view(ref.name), norm_type, dtype=torch.float32)
+            (tp_sharded if tp is not None and tp.sharded else replicated).append(norm.to(device) ** norm_type)
+    total = torch.stack(replicated).sum()
+    if tp_groups:
+        across_tp = torch.stack(tp_sharded).sum()
+        all_reduce(across_tp, next(iter(tp_groups.values())), label="clip_grad_norm_ (TP)").wait()
+        total = total + across_tp
     all_reduce(total, live[0].shard_group, label="clip_grad_norm_").wait()
     total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

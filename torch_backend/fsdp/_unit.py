@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from ragged import Layout, TensorSlot
 from torch_backend._collectives import Pending, all_gather, all_reduce, reduce_scatter, side_stream
@@ -33,6 +33,7 @@ from torch_backend._torch_internals import (
 )
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._dbuffer import DBuffer
+from torch_backend.fsdp._tensor_parallel import TensorParallel, joined_mesh
 from torch_backend.placement import RaggedShard, make_dtensor
 
 
@@ -92,6 +93,9 @@ class Unit:
             step) live on the host; the all-gather input is copied to the device, the reduced shard back.
         pin_memory: pin the host buffers (only where the mesh is an accelerator's: host memory is all a
             CPU mesh has).
+        tensor_parallel: per parameter, its TP split (``_tensor_parallel``) or None for a plain one. The
+            layout then holds TP-local shapes; the sharded parameter lives on the joined (dp, tp) mesh
+            and the unsharded one is a DTensor on the TP mesh, a view into the unsharded buffer as ever.
     """
 
     name: str
@@ -115,7 +119,8 @@ class Unit:
 
     def __init__(self, name: str, layout: Layout, refs: list[ParamRef], params: list[nn.Parameter],
                  mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, *, offload: bool = False,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False,
+                 tensor_parallel: list[TensorParallel | None] | None = None) -> None:
         self.name = name
         self.layout = layout
         self.refs = refs
@@ -138,15 +143,17 @@ class Unit:
         self._partial: torch.Tensor | None = None  # HSDP sum of reduce-scatters not all-reduced yet
         self.ag_stream = self.rs_stream = None
         self.state = UnitState.SHARDED
-        self._placements = [([Replicate()] if mesh.ndim == 2 else [])
-                            + [RaggedShard.from_core(layout.placement(ref.name))] for ref in refs]
+        self.tensor_parallel = tensor_parallel or [None] * len(refs)
+        tp_meshes = [tp.mesh for tp in self.tensor_parallel if tp is not None]
+        self.tp_group = tp_meshes[0].get_group() if tp_meshes else None  # one TP mesh per unit (checked)
+        self._sharded_specs = [self._sharded_spec(ref, tp) for ref, tp in zip(refs, self.tensor_parallel)]
         self._build_buffers(params[0].dtype, self.device)
         self.sharded: list[nn.Parameter] = []
-        for ref, orig, placements in zip(refs, params, self._placements):
+        for i, (ref, orig, tp) in enumerate(zip(refs, params, self.tensor_parallel)):
             if not orig.is_meta:
-                self._copy_into_shard(ref.name, orig.detach())
+                self._copy_into_shard(ref.name, (orig.to_local() if tp else orig).detach())
             local = self.master.shard_view(ref.name)
-            self.sharded.append(nn.Parameter(make_dtensor(local, mesh, placements, tuple(orig.shape)),
+            self.sharded.append(nn.Parameter(self._sharded_form(i, local),
                                              requires_grad=orig.requires_grad))
         self._register(self.sharded)
 
@@ -163,6 +170,29 @@ class Unit:
         self._version = -1  # the unsharded buffer's version once filled (to detect user writes)
         self._keep_version: preserve_version_counter | None = None
         self.post_backward_callback = None  # set by the hooks: called when all gradients landed
+
+    def _sharded_spec(self, ref: ParamRef, tp: TensorParallel | None
+                      ) -> tuple[DeviceMesh, tuple[Placement, ...], tuple[int, ...]]:
+        """(mesh, placements, global shape) of a sharded parameter and its gradient.
+
+        RaggedShard on the shard dim (Replicate before it for HSDP), then the TP placements on the joined
+        mesh: the RaggedShard cuts the TP rank's box, whose flat storage is what the layout packed.
+        """
+        placements = ((Replicate(),) if self.mesh.ndim == 2 else ()) + (
+            RaggedShard.from_core(self.layout.placement(ref.name)),)
+        if tp is None:
+            return self.mesh, placements, self.layout.slot(ref.name).shape
+        return joined_mesh(self.mesh, tp.mesh), placements + tp.placements, tp.shape
+
+    def _sharded_form(self, i: int, local: torch.Tensor) -> DTensor:
+        """Parameter ``i``'s sharded form (parameter or gradient) over ``local``, a view into a shard."""
+        mesh, placements, shape = self._sharded_specs[i]
+        return make_dtensor(local, mesh, placements, shape)
+
+    def _unsharded_form(self, i: int, view: torch.Tensor) -> torch.Tensor:
+        """What forward sees of parameter ``i``: the view, or (TP) a DTensor on the TP mesh over the view."""
+        tp = self.tensor_parallel[i]
+        return view if tp is None else make_dtensor(view, tp.mesh, tp.placements, tp.shape)
 
     def _build_buffers(self, master_dtype: torch.dtype, device: torch.device) -> None:
         """(Re)create every DBuffer, the unsharded parameters and the sharded gradient views.
@@ -185,12 +215,13 @@ class Unit:
         self.unsharded: list[nn.Parameter] = []
         unit = weakref.ref(self)
         self._sharded_grads: list[DTensor] = []
-        for i, (ref, placements) in enumerate(zip(self.refs, self._placements)):
-            slot = layout.slot(ref.name)
-            grad = self.main_grad.shard_view(ref.name)
-            self._sharded_grads.append(make_dtensor(grad, self.mesh, placements, slot.shape))
+        # Made once: autograd accumulates into these views of the unsharded gradient buffer.
+        self._unsharded_grads = [self._unsharded_form(i, self.grads.full_view(ref.name))
+                                 for i, ref in enumerate(self.refs)]
+        for i, ref in enumerate(self.refs):
+            self._sharded_grads.append(self._sharded_form(i, self.main_grad.shard_view(ref.name)))
             # Hooks on every parameter: ``requires_grad`` may be switched on after wrapping.
-            unsharded = nn.Parameter(self.compute.full_view(ref.name))
+            unsharded = nn.Parameter(self._unsharded_form(i, self.compute.full_view(ref.name)))
             unsharded.register_hook(self._on_first_grad)
             # A weak reference: torch's garbage collector does not see this hook, so a strong one would
             # keep the unit, its mesh and its process group alive until exit (gloo threads included).
@@ -286,7 +317,7 @@ class Unit:
             pending.wait()
             with self._keep_version:  # restores the version remembered at issue
                 pass
-            self._version = version_of(self.compute.full)
+            self._version = self._written_version()
             self._grouped = None  # gathered from: no longer needed
         if self.state is not UnitState.UNSHARDED:
             for sharded, unsharded in zip(self.sharded, self.unsharded):
@@ -311,7 +342,7 @@ class Unit:
             self.state = UnitState.SHARDED
         if self.state is not UnitState.UNSHARDED:
             return
-        if version_of(self.compute.full) != self._version:
+        if self._written_version() != self._version:
             lo, hi = self.layout.shard_range(self.rank)
             self.master.copy_(self.compute.full[lo:hi])
         self._register(self.sharded)
@@ -324,6 +355,15 @@ class Unit:
             self._grouped.copy_(part)
             self.state = UnitState.GROUPED
         self.compute.free_full()
+
+    def _written_version(self) -> int:
+        """A number that grows with every in-place write into the unsharded parameters.
+
+        The buffer's version counter sees writes into its views; a write into a TP parameter (a DTensor
+        over a view) runs on the local view below autograd and bumps only the DTensor's own counter.
+        """
+        return version_of(self.compute.full) + sum(
+            version_of(p) for p, tp in zip(self.unsharded, self.tensor_parallel) if tp is not None)
 
     def set_post_forward_group(self, group: dist.ProcessGroup, index: int, size: int) -> None:
         """``reshard_after_forward=size``: this rank is ``index`` in ``group`` (consecutive shard ranks)."""
@@ -350,9 +390,9 @@ class Unit:
             self.grads.alloc_full()
             self.grads.full.zero_()
         self._waiting = set()
-        for i, (ref, p) in enumerate(zip(self.refs, self.unsharded)):
+        for i, (p, grad) in enumerate(zip(self.unsharded, self._unsharded_grads)):
             if p.requires_grad:
-                p.grad = self.grads.full_view(ref.name)
+                p.grad = grad
                 self._waiting.add(i)
         self._grads_ready = True
 

@@ -14,6 +14,7 @@ from collections.abc import Collection
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ragged.models import LLAMA_TINY, LlamaConfig
 
@@ -64,16 +65,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the projections' widths (-1), as in torchtitan: under tensor parallelism
+        # (``tensor_parallel.py``) each rank computes only its heads.
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)  # (B, T, KV, D)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q = self.wq(x).view(b, t, -1, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(b, t, -1, self.head_dim)  # (B, T, KV, D)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, self.theta), apply_rope(k, self.theta)
         repeat = self.n_heads // self.n_kv_heads  # each kv head serves `repeat` query heads
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)  # (B, T, H, D)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, D)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-        return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):
@@ -138,7 +141,8 @@ def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | Non
     with ``(seed, i)``: matrices and biases ~ N(0, 0.02^2), the embedding ~ N(0, 1), norms = 1. Because no
     value depends on the device or on other parameters, a model built on the meta device and
     sharded first gets exactly the values of a model built in one process. ``only`` (FQNs) limits
-    it to some parameters with unchanged values, e.g. one unsharded FSDP unit at a time.
+    it to some parameters with unchanged values, e.g. one unsharded FSDP unit at a time. A parameter that
+    tensor parallelism made a DTensor gets its part of the same value.
     """
     for i, (name, p) in enumerate(model.named_parameters()):
         if only is not None and name not in only:
@@ -149,6 +153,8 @@ def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | Non
         else:
             std = 1.0 if name.startswith("tok_embeddings") else 0.02
             value = torch.randn(p.shape, generator=g) * std
+        if isinstance(p, DTensor):  # split by tensor parallelism: this rank's part, cut locally
+            value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
         p.copy_(value)
 
 

@@ -1,0 +1,358 @@
+"""What test_fsdp_tp runs in each gloo worker: ragged FSDP composed with tensor parallelism (TP).
+
+Every case applies TP first and FSDP after, torchtitan's order: the project's llama with its plan
+(``torch_backend.models.tensor_parallel``: sequence parallel included) and a HuggingFace
+``LlamaForCausalLM`` with the torchtitan-style plan below, on (dp, tp) meshes and on (replicate, dp, tp)
+for HSDP. Each trains STEPS AdamW steps (clipped) on its dp rank's rows; the single-process reference
+trains the same model, data and seed in the worker itself; PyTorch FSDP2 + TP runs the same case as the
+baseline. Results are rank 0's worst relative loss and parameter errors against the reference (the
+parameters read back with ``full_tensor()``, the placement's own gather).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from ragged.models import LLAMA_TINY
+from tests.torch_backend._user_model_workers import rel_errors
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # torch's: both take it
+B, T, STEPS = 8, 8, 5  # 8 rows split over dp 1, 2 and 4; T splits over tp 2 (sequence parallel)
+LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 0
+
+
+# ----- models ---------------------------------------------------------------------------------------
+def llama() -> nn.Module:
+    from torch_backend.models import Llama
+
+    model = Llama()
+    model.init_weights(SEED)
+    return model
+
+
+def hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = LLAMA_TINY
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
+                         num_hidden_layers=2, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                         head_dim=c.head_dim, max_position_embeddings=T, tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(config)
+
+
+def hf_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """torchtitan's split of the projections (Megatron's), without sequence parallelism: HF builds its
+    causal mask and positions from the embedding output, which must stay a whole (replicated) tensor."""
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        })
+    return model
+
+
+def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def shard_llama(model: nn.Module, dp_mesh: DeviceMesh, which: str, **kwargs) -> None:
+    from torch_backend.models import parallelize
+
+    if which == "ours":
+        parallelize(model, dp_mesh, **kwargs)
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model.tok_embeddings, mesh=dp_mesh, **kwargs)
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh, **kwargs)
+    fully_shard([model.norm, model.output], mesh=dp_mesh, **kwargs)
+    fully_shard(model, mesh=dp_mesh, **kwargs)
+
+
+def shard_hf(model: nn.Module, dp_mesh: DeviceMesh, which: str, **kwargs) -> None:
+    if which == "ours":
+        from torch_backend import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh, **kwargs)
+    fully_shard(model.model.embed_tokens, mesh=dp_mesh, **kwargs)
+    fully_shard([model.model.norm, model.lm_head], mesh=dp_mesh, **kwargs)
+    fully_shard(model, mesh=dp_mesh, **kwargs)
+
+
+MODELS = {"llama": (llama, "ours", shard_llama), "hf": (hf_llama, "hf", shard_hf)}
+
+
+def build(kind: str, mesh: DeviceMesh | None, which: str, dp: tuple[str, ...] = ("dp",),
+          **shard_kwargs) -> nn.Module:
+    """The model of ``kind``: plain for the reference (``mesh`` None), else TP on ``mesh["tp"]`` and then
+    ``which`` FSDP ("ours" or "fsdp2") on ``mesh[dp]`` with ``shard_kwargs``."""
+    make, tp_plan, shard = MODELS[kind]
+    model = make()
+    if mesh is None:
+        return model
+    if tp_plan == "hf":
+        hf_tensor_parallel(model, mesh["tp"])
+    else:
+        from torch_backend.models import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"])
+    shard(model, mesh[dp], which, **shard_kwargs)
+    return model
+
+
+# ----- training -------------------------------------------------------------------------------------
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (B, T + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def clip(model: nn.Module, which: str) -> float:
+    """Clip by the total gradient norm and return it: ours over its buffers, the reference with torch's
+    ``clip_grad_norm_``, FSDP2 on full tensors (its parameters may sit on two meshes, which torch's
+    ``clip_grad_norm_`` cannot stack)."""
+    if which == "ours":
+        from torch_backend import clip_grad_norm_
+
+        return float(clip_grad_norm_(model, MAX_NORM))
+    if which == "reference":
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in full]))
+    coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return float(total)
+
+
+def train(model: nn.Module, which: str, dp_rank: int = 0, dp_size: int = 1, steps: range = range(STEPS),
+          opt: torch.optim.Optimizer | None = None) -> tuple[dict, torch.optim.Optimizer]:
+    """AdamW ``steps`` on this dp rank's rows: the mean loss over the batch and the gradient norm of each."""
+    from torch_backend.models import cross_entropy
+
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    rows = slice(dp_rank * B // dp_size, (dp_rank + 1) * B // dp_size)
+    out = {"losses": [], "norms": []}
+    for step in steps:
+        x, y = batch(step)
+        loss = cross_entropy(logits_of(model, x[rows]), y[rows])
+        loss.backward()
+        out["norms"].append(clip(model, which))
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if dist.is_initialized() and dp_size > 1:
+            dist.all_reduce(total)  # every TP rank of a dp rank holds the same loss: divide by the world
+            total /= dist.get_world_size()
+        out["losses"].append(float(total))
+    return out, opt
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def rel(got: list[float], want: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+def reference(kind: str, steps: range = range(STEPS)) -> dict:
+    model = build(kind, None, "reference")
+    out, _ = train(model, "reference", steps=steps)
+    return {**out, "params": full_params(model)}
+
+
+def dp_position(mesh: DeviceMesh, dp: tuple[str, ...]) -> tuple[int, int]:
+    """This rank's index among the data-parallel ranks and their number (HSDP: replica-major)."""
+    rank, size = 0, 1
+    for name in dp:
+        n = mesh.size(mesh.mesh_dim_names.index(name))
+        rank, size = rank * n + mesh.get_local_rank(name), size * n
+    return rank, size
+
+
+def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, **shard_kwargs) -> dict:
+    """Ours and FSDP2 on the same TP case against the reference and against each other; ours' placements."""
+    from torch_backend import debug_counter
+
+    out, params = {}, {}
+    for which in ("ours", "fsdp2"):
+        model = build(kind, mesh, which, dp, **shard_kwargs)
+        with debug_counter() as counter:
+            got, _ = train(model, which, *dp_position(mesh, dp))
+        if which == "ours":  # zero-copy with TP too: no bytes copied outside collectives, one reduce per unit
+            out["copy_bytes"] = counter.copy_bytes
+            out["reduce_scatters"] = sorted(set(counter.per_label("reduce_scatter").values()))
+        params[which] = full_params(model)
+        out[which] = {"loss": rel(got["losses"], ref["losses"]), "norm": rel(got["norms"], ref["norms"]),
+                      "params": rel_errors(params[which], ref["params"])}
+        if which == "ours":
+            out["placements"] = {n: [str(q) for q in p.placements] for n, p in model.named_parameters()}
+    out["ours_vs_fsdp2"] = rel_errors(params["ours"], params["fsdp2"])
+    return out
+
+
+def redistributed(mesh: DeviceMesh) -> dict:
+    """Our sharded parameters redistributed to Replicate everywhere and to their TP placement alone (the
+    unsharded TP form) hold the reference's initial values: the worst absolute difference of each."""
+    want = {n: p.detach() for n, p in full_params(build("llama", None, "reference")).items()}
+    model = build("llama", mesh, "ours")
+    worst = {"replicate": 0.0, "tp_only": 0.0}
+    for n, p in model.named_parameters():
+        everywhere = p.redistribute(p.device_mesh, [Replicate()] * p.device_mesh.ndim).to_local()
+        worst["replicate"] = max(worst["replicate"], float((everywhere - want[n]).abs().max()))
+        tp = p.placements[1:]  # (RaggedShard on dp, the TP placement on tp): gather over dp only
+        local = p.redistribute(p.device_mesh, [Replicate(), *tp]).to_local()
+        expected = want[n]
+        if tp and isinstance(tp[0], Shard):
+            expected = expected.chunk(mesh["tp"].size(), dim=tp[0].dim)[mesh.get_local_rank("tp")]
+        worst["tp_only"] = max(worst["tp_only"], float((local - expected).abs().max()))
+    return worst
+
+
+def refusals(mesh: DeviceMesh) -> dict[str, str]:
+    """What fully_shard and the structure-aware optimizers refuse of TP DTensors, each on every rank
+    before any collective."""
+    from torch_backend import fully_shard
+    from torch_backend.optim import Adam8bit, Muon
+
+    def attempt(weight: DTensor, dp_mesh: DeviceMesh = mesh["dp"]) -> str:
+        layer = nn.Linear(4, 4, bias=False)
+        layer.weight = nn.Parameter(weight)
+        try:
+            fully_shard(layer, mesh=dp_mesh)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    def optimizer(cls: type) -> str:
+        try:
+            cls(build("llama", mesh, "ours").named_parameters(), lr=LR)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    return {
+        "adam8bit": optimizer(Adam8bit),  # its tiles and Muon's matrices are whole only on the dp dim
+        "muon": optimizer(Muon),
+        "partial": attempt(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()])),
+        "uneven": attempt(distribute_tensor(torch.ones(3, 4), mesh["tp"], [Shard(0)])),
+        "other_mesh": attempt(distribute_tensor(torch.ones(4, 4), other["b"], [Shard(0)])),
+        "same_dims": attempt(distribute_tensor(torch.ones(4, 4), mesh["dp"], [Shard(0)])),
+        "dp_uses_tp": attempt(distribute_tensor(torch.ones(4, 4), mesh["tp"], [Shard(0)]), mesh["dp", "tp"]),
+    }
+
+
+def _saved_file(ckpt_dir: str) -> Path:
+    return Path(ckpt_dir) / "tp2x2_full.pt"
+
+
+def dcp_save(mesh: DeviceMesh, ckpt_dir: str) -> dict:
+    """Train our llama STEPS steps at (dp 2, tp 2), save a DCP checkpoint, and keep (rank 0) the full
+    parameters and AdamW state it holds for the loaders to compare with."""
+    from torch_backend import save_dcp_checkpoint
+
+    model = build("llama", mesh, "ours")
+    _, opt = train(model, "ours", *dp_position(mesh, ("dp",)))
+    save_dcp_checkpoint(Path(ckpt_dir) / "tp2x2", model, opt)
+    full = {"params": full_params(model), "state": full_state(model, opt)}
+    if dist.get_rank() == 0:
+        torch.save(full, _saved_file(ckpt_dir))
+    dist.barrier()
+    first = opt.state[next(iter(model.parameters()))]
+    return {"placements": sorted({str(v.placements) for v in first.values() if isinstance(v, DTensor)})}
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    return {f"{n}.{k}": (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for n, p in model.named_parameters() for k, v in opt.state[p].items()}
+
+
+def dcp_load(mesh: DeviceMesh, ckpt_dir: str) -> dict:
+    """Load the (dp 2, tp 2) checkpoint at this mesh: parameters and AdamW state equal to what was saved
+    (worst absolute difference), then one more step against the reference's step STEPS + 1."""
+    from torch_backend import load_dcp_checkpoint
+
+    saved = torch.load(_saved_file(ckpt_dir))
+    model = build("llama", mesh, "ours")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    load_dcp_checkpoint(Path(ckpt_dir) / "tp2x2", model, opt)
+    params, state = full_params(model), full_state(model, opt)
+    out = {"params": max(float((params[n] - v).abs().max()) for n, v in saved["params"].items()),
+           "state": max(float((state[k] - v).abs().max()) for k, v in saved["state"].items()),
+           "state_keys": sorted(state) == sorted(saved["state"])}
+    got, _ = train(model, "ours", *dp_position(mesh, ("dp",)), steps=range(STEPS, STEPS + 1), opt=opt)
+    ref = reference("llama", steps=range(STEPS + 1))
+    out["loss"] = rel(got["losses"], ref["losses"][-1:])
+    out["after"] = rel_errors(full_params(model), ref["params"])
+    return out
+
+
+# ----- checks ---------------------------------------------------------------------------------------
+def _run(checks: dict[str, Callable[[], object]]) -> dict:
+    out = {}
+    for name, check in checks.items():
+        try:
+            out[name] = check()
+        except BaseException:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def checks(rank: int, world: int, ckpt_dir: str) -> dict:
+    torch.manual_seed(0)
+    if world == 2:  # after the 4-rank launch wrote the checkpoint
+        return _run({"dcp_load_dp1_tp2": lambda: dcp_load(
+            init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), ckpt_dir)})
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        return _run({
+            "llama": lambda: composed("llama", mesh, ("dp",), reference("llama")),
+            "hf": lambda: composed("hf", mesh, ("dp",), reference("hf")),
+            "llama_bf16": lambda: composed("llama", mesh, ("dp",), reference("llama"), mp_policy=BF16),
+            "redistribute": lambda: redistributed(mesh),
+            "refusals": lambda: refusals(mesh),
+            "dcp_save": lambda: dcp_save(mesh, ckpt_dir),
+            "dcp_load_dp4_tp1": lambda: dcp_load(
+                init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp")), ckpt_dir),
+        })
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
+    return _run({
+        "llama_hsdp": lambda: composed("llama", mesh, ("replicate", "dp"), reference("llama")),
+        "hf_hsdp": lambda: composed("hf", mesh, ("replicate", "dp"), reference("hf")),
+    })
+
+
+if __name__ == "__main__":  # a manual run: python -m tests.torch_backend._tp_workers WORLD
+    import sys
+
+    from tests.torch_backend._dist import launch
+
+    world = int(sys.argv[1])
+    print(launch(os.path.abspath(__file__), "checks", world, "/tmp/tp_ckpt", timeout_s=600)[0])

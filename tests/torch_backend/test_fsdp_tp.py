@@ -1,0 +1,114 @@
+"""fully_shard composed with tensor parallelism (torchtitan's recipe: TP first, then FSDP on the dp mesh).
+
+Workers: ``_tp_workers.py``. One launch of 4 gloo ranks as (dp 2, tp 2) trains the project's llama (its
+TP plan with sequence parallel, ``torch_backend.models.apply_tensor_parallel``) and a HuggingFace
+``LlamaForCausalLM`` (torchtitan-style projections plan) under ours and under PyTorch FSDP2 + TP, checks
+bf16 mixed precision, redistribute, the refusals, and writes a DCP checkpoint that loads at (dp 4, tp 1)
+in the same launch and at (dp 1, tp 2) in a 2-rank launch. One launch of 8 ranks runs HSDP as
+(replicate 2, dp 2, tp 2).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.torch_backend import _tp_workers as W
+from tests.torch_backend._dist import launch, rank0_result
+
+WORKERS = str(Path(W.__file__))
+# Losses: each step's loss is the mean over B * T token predictions, which the sharded runs sum in
+# another order (each dp rank its rows, then the ranks): at most (n - 1) fp32 unit roundoffs.
+LOSS_RTOL = (W.B * W.T - 1) * float(np.finfo(np.float32).eps) / 2  # 64 predictions: 3.8e-6
+# Parameters and gradient norms: the issue's 1e-5 for fp32, as tests/torch_backend/test_fsdp_parity.py
+# (no derivation: AdamW amplifies rounding where a gradient is near zero). Measured: ours 2.0e-6 to 3.6e-6
+# from the reference and 4e-8 to 4e-7 from FSDP2 + TP; gradient norms within 4e-7.
+FP32_RTOL = 1e-5
+# FSDP2 + TP on the same case has the same rounding to answer for: ours may be at most twice as far
+# from the reference (the bound the README gives each sharded run against its stack's own rounding).
+FSDP2_FACTOR = 2.0
+BF16_RTOL = 2e-2  # bf16 parameters and activations against the fp32 reference (8 mantissa bits); 6e-3
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One launch per world size; the 2-rank one after the 4-rank one (it loads its checkpoint)."""
+    ckpt = str(tmp_path_factory.mktemp("tp_ckpt"))
+
+    @functools.cache
+    def get(world: int) -> list[dict]:
+        if world == 2:
+            get(4)
+        return launch(WORKERS, "checks", world, ckpt, timeout_s=300)
+
+    return get
+
+
+def assert_trains_like_reference_and_fsdp2(r: dict) -> None:
+    ours, fsdp2 = r["ours"], r["fsdp2"]
+    assert ours["loss"] <= LOSS_RTOL and fsdp2["loss"] <= LOSS_RTOL, r
+    assert ours["norm"] <= FP32_RTOL, r
+    assert ours["params"] <= FP32_RTOL and fsdp2["params"] <= FP32_RTOL, r
+    assert ours["params"] <= FSDP2_FACTOR * fsdp2["params"], r
+    assert r["ours_vs_fsdp2"] <= FP32_RTOL, r
+    assert r["copy_bytes"] == 0 and r["reduce_scatters"] == [W.STEPS], r  # zero-copy; one reduce per unit
+
+
+@pytest.mark.parametrize("case, world", [("llama", 4), ("hf", 4), ("llama_hsdp", 8), ("hf_hsdp", 8)])
+def test_tp_then_fully_shard_trains_like_single_process_and_fsdp2(run, case, world):
+    assert_trains_like_reference_and_fsdp2(rank0_result(run, world, case))
+
+
+def test_bf16_mixed_precision_is_no_further_from_the_reference_than_fsdp2(run):
+    r = rank0_result(run, 4, "llama_bf16")
+    ours, fsdp2 = r["ours"], r["fsdp2"]
+    assert ours["params"] <= BF16_RTOL, r
+    # No further than FSDP2 + TP beyond fp32 rounding: both round the same bf16 all-gathers and matmuls.
+    assert ours["params"] <= fsdp2["params"] + FP32_RTOL and ours["loss"] <= fsdp2["loss"] + LOSS_RTOL, r
+
+
+def test_sharded_parameters_compose_ragged_shard_on_dp_with_the_tp_placement(run):
+    placements = rank0_result(run, 4, "llama")["placements"]
+    assert placements["layers.0.attention.wq.weight"][1] == "S(0)"  # colwise
+    assert placements["layers.0.attention.wo.weight"][1] == "S(1)"  # rowwise
+    assert placements["layers.0.attention_norm.weight"][1] == "R"  # sequence parallel
+    assert all(p[0].startswith("RS(") for p in placements.values()), placements
+    hf = rank0_result(run, 4, "hf")["placements"]
+    assert len(hf["model.norm.weight"]) == 1, hf  # a plain parameter in a TP unit: the dp mesh only
+
+
+def test_redistribute_to_replicate_and_to_the_tp_placement_gives_the_reference_values(run):
+    r = rank0_result(run, 4, "redistribute")
+    assert r == {"replicate": 0.0, "tp_only": 0.0}, r  # pure data movement: bit-equal
+
+
+@pytest.mark.parametrize("case, world", [("dcp_load_dp4_tp1", 4), ("dcp_load_dp1_tp2", 2)])
+def test_dcp_saved_at_dp2_tp2_loads_at_another_mesh_and_trains_on(run, case, world):
+    rank0_result(run, 4, "dcp_save")
+    r = rank0_result(run, world, case)
+    assert r["state_keys"] and r["params"] == 0.0 and r["state"] == 0.0, r  # the saved bits, resharded
+    assert r["loss"] <= LOSS_RTOL and r["after"] <= FP32_RTOL, r  # step 6 against the reference's
+
+
+@pytest.mark.parametrize("optimizer", ["adam8bit", "muon"])
+def test_8bit_adam_and_muon_refuse_tp_split_parameters_naming_them(run, optimizer):
+    # Their tiles and Newton-Schulz matrices are made whole over the data-parallel dim only.
+    message = rank0_result(run, 4, "refusals")[optimizer]
+    assert message.startswith("PlacementError: tok_embeddings.weight: placements"), message
+    assert "are not supported by this optimizer" in message, message
+
+
+@pytest.mark.parametrize("case, rule", [
+    ("partial", "composes with tensor parallelism's Shard(dim) and Replicate only"),
+    ("uneven", "does not split evenly over 2 TP ranks"),
+    ("other_mesh", "must be named sub-meshes of one device mesh"),
+    ("same_dims", "shares the dims ['dp'] with the data-parallel mesh"),
+    ("dp_uses_tp", "shares the dims ['tp'] with the data-parallel mesh"),
+])
+def test_what_cannot_compose_is_refused_naming_the_parameter_and_the_rule(run, case, rule):
+    message = rank0_result(run, 4, "refusals")[case]
+    assert message.startswith("ValueError: fully_shard: parameter 'weight' is a DTensor"), message
+    assert rule in message, message
