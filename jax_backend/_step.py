@@ -174,7 +174,8 @@ class FSDP:
     def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
         """The shard_map specs of ``optimizer``'s state (``optimizer`` as ``shard_optimizer`` returns it)."""
         init = self._shard_map(optimizer.init, in_specs=(self._buffer_specs(),), out_specs=P())
-        buffers = {lay.name: jax.ShapeDtypeStruct(self._buffer_shape(lay), jnp.float32) for lay in self.layouts}
+        buffers = {lay.name: jax.ShapeDtypeStruct(self._buffer_shape(lay), jnp.float32)
+                   for lay in self.layouts}
         return state_specs(jax.eval_shape(init, buffers), self.axis, self._buffer_spec)
 
     # ----- buffers -----------------------------------------------------------------------------------

@@ -272,7 +272,8 @@ def shard_tp_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: 
     sharding = NamedSharding(mesh, P(tp.axis, axis))
     shardings = {lay.name: sharding for lay in layouts}
     dtypes = {lay.name: jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts}
-    bits = {t.name: as_bits(jnp.asarray(params[t.name], dtypes[lay.name])) for lay in layouts for t in lay.tensors}
+    bits = {t.name: as_bits(jnp.asarray(params[t.name], dtypes[lay.name]))
+            for lay in layouts for t in lay.tensors}
     pack = jax.jit(lambda b: {lay.name: pack_tp_unit(b, lay, tp) for lay in layouts}, out_shardings=shardings)
     as_dtype = jax.jit(lambda b: {k: lax.bitcast_convert_type(v, dtypes[k]) if v.dtype != dtypes[k] else v
                                   for k, v in b.items()}, out_shardings=shardings)
@@ -290,4 +291,5 @@ def full_tp_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout],
     out = jax.jit(lambda b: {k: v for lay in layouts
                              for k, v in unpack_tp_rows(as_bits(b[lay.name]), lay, tp).items()})(
         {lay.name: buffers[lay.name] for lay in layouts})
-    return {k: out[k] if out[k].dtype == d else lax.bitcast_convert_type(out[k], d) for k, d in dtypes.items()}
+    return {k: out[k] if out[k].dtype == d else lax.bitcast_convert_type(out[k], d)
+            for k, d in dtypes.items()}
