@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--granularity", default="auto",
                    help="matrix granularity (rows:N, tiles:RxC, element, ...); auto: rows:1, 32x32 tiles for "
                         "adam8bit")
+    p.add_argument("--tp", type=int, default=1,
+                   help="JAX: tensor-parallel size (mesh (replica, fsdp, tensor), the llama's TENSOR_RULES)")
     p.add_argument("--optimizer", choices=("adamw", "adam8bit", "muon"), default="adamw")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -127,7 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(memory_plan(args, config, gpus).describe())
         return {}
     settings = {k: getattr(args, k) for k in ("stack", "model", "hsdp", "granularity", "optimizer", "lr",
-                                              "weight_decay", "dtype", "batch", "seq_len", "seed", "data")}
+                                              "weight_decay", "dtype", "batch", "seq_len", "seed", "data",
+                                              "tp")}
+    if args.tp > 1 and (args.stack != "jax" or args.optimizer != "adamw"):
+        raise SystemExit("--tp: tensor parallelism runs on the JAX stack with adamw (jax_backend runs "
+                         "element-wise optimizers on its (T, S) shards)")
     if args.stack == "torch":
         from experiments._train import torch_run
 
