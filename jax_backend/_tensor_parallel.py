@@ -26,12 +26,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_backend._buffers import LayoutMismatchError, as_bits, check_mesh, check_params, onto_mesh, pack_unit
 from jax_backend._compat import shard_map
+from jax_backend._names import fqn
 from ragged import Layout
 
 Shape = tuple[int, ...]
@@ -159,10 +161,6 @@ def build_tensor_parallel(shapes: Mapping[str, Shape], annotations: Mapping[str,
 def nnx_annotations(state: Any) -> dict[str, Any]:
     """``{fqn: partition spec}`` of an NNX ``State`` of Params (flax's ``out_sharding`` metadata, or the
     ``sharding`` / ``sharding_names`` of older flax versions)."""
-    from flax import nnx
-
-    from jax_backend._names import fqn
-
     out = {}
     leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     for path, var in leaves:
