@@ -13,9 +13,9 @@ progress bar with loss, tokens/s, MFU and peak memory, writes a JSON line per st
 ``--save-interval`` steps; a relaunch with the same ``--checkpoint-dir`` resumes from the newest one.
 Models: see ``ragged.models.trained_model_names()``: the llamas, and the mixture-of-experts presets
 (``mixtral-8x7b``, ``gpt-oss-120b``, ``deepseek-v3`` at full size, ``*-tiny`` at CPU size), which both stacks
-train as MoE decoders (docs/moe.md), with expert parallelism composed with FSDP under ``--ep N``; the torch
-stack takes tensor parallelism inside each data-parallel group under ``--tp N`` (llamas). Cluster recipes:
-docs/cluster.md.
+train as MoE decoders (docs/moe.md), with expert parallelism composed with FSDP under ``--ep N``; the
+llamas take tensor parallelism inside each data-parallel group under ``--tp N`` (both stacks). Cluster
+recipes: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="MoE models, both stacks: expert-parallel degree (each EP rank keeps E/ep experts of "
                         "every MoE layer, sharded over world / ep ranks; the rest over all; docs/moe.md)")
     p.add_argument("--tp", type=int, default=1,
-                   help="torch: tensor-parallel degree (torchtitan's llama plan, sequence parallel included) "
-                        "inside each data-parallel group; the mesh is (replicate, shard, tp)")
+                   help="llamas: tensor-parallel degree inside each data-parallel group (torch: torchtitan's "
+                        "plan with sequence parallel, mesh (replicate, shard, tp); JAX: a 'tensor' axis)")
     p.add_argument("--granularity", default="auto",
                    help="matrix granularity (rows:N, tiles:RxC, element, ...); auto: rows:1, 32x32 tiles for "
                         "adam8bit")
@@ -120,9 +120,11 @@ def main(argv: list[str] | None = None) -> dict:
     config, modelled = ragged.models.trained_model(args.model)
     if args.ep != 1 and not isinstance(config, ragged.models.MoeConfig):
         raise SystemExit(f"--ep {args.ep}: it trains mixture-of-experts models only (got {args.model})")
-    if args.tp > 1 and (args.stack == "jax" or isinstance(config, ragged.models.MoeConfig)):
-        raise SystemExit(f"--tp {args.tp}: tensor parallelism is wired for the torch stack's llamas only, "
-                         f"not {args.stack} {args.model}")
+    if args.tp > 1 and isinstance(config, ragged.models.MoeConfig):
+        raise SystemExit(f"--tp {args.tp}: tensor parallelism is wired for the llamas only, not {args.model}")
+    if args.tp > 1 and args.stack == "jax" and args.optimizer != "adamw":
+        raise SystemExit("--tp: on the JAX stack tensor parallelism runs with adamw (jax_backend runs "
+                         "element-wise optimizers on its (T, S) shards)")
 
     def plan_check(world: int, capacity: int, rank0: bool) -> None:
         """Every rank computes the same plan from the same (agreed) capacity, so all refuse or none."""

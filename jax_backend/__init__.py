@@ -21,6 +21,7 @@ from jax_backend._optax import (
     shard_optimizer,
 )
 from jax_backend._step import FSDP
+from jax_backend._tensor_parallel import TensorParallel, TensorParallelError
 from jax_backend._units import MixedPrecisionPolicy, UnitError
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "LayoutMismatchError",
     "MixedPrecisionPolicy",
     "ShardedState",
+    "TensorParallel",
+    "TensorParallelError",
     "UnitError",
     "UnsupportedOptimizerError",
     "check_optimizer",

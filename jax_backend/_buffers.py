@@ -104,7 +104,7 @@ def pack_unit(params: Mapping[str, jax.Array], layout: Layout) -> jax.Array:
     return jnp.concatenate(parts)
 
 
-def _bits(x: jax.Array) -> jax.Array:
+def as_bits(x: jax.Array) -> jax.Array:
     """Floats as unsigned integers of their width. XLA's CPU backend moves bf16 through fp32 in concatenates
     and collectives, which rewrites NaN payloads; conversions and checkpoints must keep every bit."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -144,7 +144,7 @@ def buffer_sharding(mesh: Mesh, axis: Axis) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axis))
 
 
-def _onto(x: Any, mesh: Mesh) -> Any:
+def onto_mesh(x: Any, mesh: Mesh) -> Any:
     """A ``jax.Array`` committed to other devices than ``mesh``'s (``full_params`` of another mesh) copied
     onto the mesh, replicated: one jitted program cannot read arrays from two device sets."""
     if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != set(mesh.devices.flat):
@@ -162,13 +162,13 @@ def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mes
     """
     check_mesh(mesh, layouts, axis)
     check_params(params, layouts)
-    params = {k: _onto(v, mesh) for k, v in params.items()}
+    params = {k: onto_mesh(v, mesh) for k, v in params.items()}
     sharding = buffer_sharding(mesh, axis)
     shardings = {lay.name: sharding for lay in layouts}
     dtypes = {lay.name: jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts}
     # Three steps, so that XLA cannot fuse the reinterpretations into the data movement: take the bits,
     # pack them into sharded buffers, then reinterpret the buffers shard by shard.
-    bits = {t.name: _bits(jnp.asarray(params[t.name], dtypes[lay.name]))
+    bits = {t.name: as_bits(jnp.asarray(params[t.name], dtypes[lay.name]))
             for lay in layouts for t in lay.tensors}
     pack = jax.jit(lambda p: {lay.name: pack_unit(p, lay) for lay in layouts}, out_shardings=shardings)
     as_dtype = jax.jit(lambda b: {k: lax.bitcast_convert_type(v, dtypes[k]) if v.dtype != dtypes[k] else v
@@ -183,7 +183,7 @@ def full_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> 
     if missing:
         raise LayoutMismatchError(f"buffers miss the units {missing} (have {list(buffers)})")
     def slices(b: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        return {k: v for lay in layouts for k, v in unpack_unit(_bits(b[lay.name]), lay).items()}
+        return {k: v for lay in layouts for k, v in unpack_unit(as_bits(b[lay.name]), lay).items()}
 
 
     dtypes = {t.name: buffers[lay.name].dtype for lay in layouts for t in lay.tensors}

@@ -23,21 +23,31 @@ from jax.sharding import Mesh
 import ragged
 import ragged.checkpoint
 from jax_backend._buffers import full_params, shard_params
+from jax_backend._tensor_parallel import TensorParallel, full_tp_params, shard_tp_params
 from ragged import Layout
 
 
 def save_neutral_checkpoint(path: str | os.PathLike, buffers: Mapping[str, jax.Array],
                             layouts: Sequence[Layout], *, meta: Mapping[str, Any] | None = None,
-                            overwrite: bool = False) -> Path:
+                            overwrite: bool = False, tensor_parallel: TensorParallel | None = None) -> Path:
     """Write the unit buffers as full tensors by FQN, plus ``layouts``.
 
-    Every process must call it (unsharding gathers across processes); only process 0 writes.
+    Every process must call it (unsharding gathers across processes); only process 0 writes. With
+    ``tensor_parallel`` (``fsdp.tensor_parallel``) the buffers are ``(T, W * S)`` and the tensors are
+    joined whole: the checkpoint is the same as without tensor parallelism, except that the Layouts (planned
+    for the tensor ranks' local shapes) are not recorded; the split is, in the metadata.
 
     Raises:
         ragged.checkpoint.CheckpointError: as ``ragged.checkpoint.save_neutral_checkpoint``;
             LayoutMismatchError for missing units.
     """
-    full = full_params(buffers, layouts)
+    if tensor_parallel is None:
+        full = full_params(buffers, layouts)
+    else:
+        full = full_tp_params(buffers, layouts, tensor_parallel)
+        tp = tensor_parallel
+        meta = {**(meta or {}), "tensor_parallel": {"axis": tp.axis, "size": tp.size, "dims": dict(tp.dims)}}
+        layouts = ()
     if jax.process_count() > 1:  # shards live on other hosts: gather them, every process takes part
         full = {k: multihost_utils.process_allgather(v, tiled=True) for k, v in full.items()}
     tensors = {name: np.asarray(jax.device_get(value)) for name, value in full.items()}
@@ -53,13 +63,17 @@ def load_neutral_params(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return {name: t.bits.view(jnp.dtype(t.dtype)) for name, t in checkpoint.tensors.items()}
 
 
-def load_neutral_checkpoint(path: str | os.PathLike, layouts: Sequence[Layout], mesh: Mesh,
-                    axis: str) -> dict[str, jax.Array]:
-    """Read full tensors and shard them into unit buffers with ``layouts`` on ``mesh`` (any world size).
+def load_neutral_checkpoint(path: str | os.PathLike, layouts: Sequence[Layout], mesh: Mesh, axis: str, *,
+                            tensor_parallel: TensorParallel | None = None) -> dict[str, jax.Array]:
+    """Read full tensors and shard them into unit buffers with ``layouts`` on ``mesh`` (any world size;
+    with ``tensor_parallel``, any tensor size: ``(T, W * S)`` buffers, whatever the checkpoint was saved
+    with).
 
     Raises:
         ragged.checkpoint.CheckpointError: a malformed checkpoint.
         LayoutMismatchError: the checkpoint's tensors differ from the Layouts' (named by FQN), or the mesh
             axis does not match the Layouts' world size.
     """
+    if tensor_parallel is not None:
+        return shard_tp_params(load_neutral_params(path), layouts, mesh, axis, tensor_parallel)
     return shard_params(load_neutral_params(path), layouts, mesh, axis)

@@ -11,17 +11,22 @@ import numpy as np
 from jax.sharding import Mesh
 
 
-def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any,
+              axis_names: frozenset[str] | set[str] | None = None) -> Callable:
     """``jax.shard_map`` where it exists (0.6+), else ``jax.experimental.shard_map.shard_map``.
 
     Replication checking is off (``check_vma`` / ``check_rep``): the FSDP step says explicitly which
     collective reduces each gradient (a custom VJP), so no implicit ``psum`` may be inserted.
+    ``axis_names``: the axes that are manual (default: all); the others stay ``Auto``, partitioned by XLA.
     """
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        manual = {} if axis_names is None else {"axis_names": set(axis_names)}
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **manual)
     from jax.experimental.shard_map import shard_map as experimental_shard_map
 
-    return experimental_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+    auto = {} if axis_names is None else {"auto": frozenset(mesh.axis_names) - set(axis_names)}
+    return experimental_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False,
+                                  **auto)
 
 
 def make_mesh(shape: Sequence[int], axis_names: Sequence[str],

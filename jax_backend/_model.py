@@ -19,14 +19,38 @@ from jax_backend._buffers import LayoutMismatchError, check_mesh
 from jax_backend._function_model import FunctionModel
 from jax_backend._nnx_model import NnxModel, UnitSelector
 from jax_backend._step import FSDP
+from jax_backend._tensor_parallel import (
+    TensorParallel,
+    TensorParallelError,
+    TensorRules,
+    build_tensor_parallel,
+    nnx_annotations,
+)
 from jax_backend._units import MixedPrecisionPolicy, UnitError
 from ragged import Granularity, GranularityRule, Layout
 
 
-def _unit_tensors(wrapped: NnxModel | FunctionModel) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
-    """``[(unit, [(fqn, shape), ...]), ...]`` in the model's order, the root unit first (if it owns any)."""
+def _unit_tensors(wrapped: NnxModel | FunctionModel,
+                  tp: TensorParallel | None) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """``[(unit, [(fqn, shape), ...]), ...]`` in the model's order, the root unit first (if it owns any);
+    with tensor parallelism, each tensor rank's local shape (what the planner packs)."""
+    def shape(n: str) -> tuple[int, ...]:
+        return wrapped.shapes[n][0] if tp is None else tp.local_shape(n, wrapped.shapes[n][0])
+
     order = ([wrapped.root] if wrapped.root in wrapped.owner.values() else []) + wrapped.units
-    return [(u, [(n, wrapped.shapes[n][0]) for n in wrapped.fqns if wrapped.owner[n] == u]) for u in order]
+    return [(u, [(n, shape(n)) for n in wrapped.fqns if wrapped.owner[n] == u]) for u in order]
+
+
+def _tensor_parallel(model: Any, wrapped: NnxModel | FunctionModel, mesh: Mesh, tensor_axis: str | None,
+                     tensor_rules: TensorRules | None, data_axes: tuple[str, ...]) -> TensorParallel | None:
+    if tensor_axis is None:
+        if tensor_rules:
+            raise TensorParallelError("tensor_rules= needs tensor_axis=, the mesh axis they split over")
+        return None
+    annotations = nnx_annotations(nnx.state(model, nnx.Param)) if isinstance(model, nnx.Module) else {}
+    return build_tensor_parallel({n: s for n, (s, _) in wrapped.shapes.items()}, annotations,
+                                 axis=tensor_axis, mesh_shape=dict(mesh.shape), data_axes=data_axes,
+                                 rules=tensor_rules)
 
 
 def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector | None = None,
@@ -34,7 +58,8 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
                 granularity: GranularityRule | Granularity | int | str = "rows:1",
                 mp_policy: MixedPrecisionPolicy | None = None, remat: bool = False, root: str = "root",
                 layouts: Sequence[Layout] | None = None, reshard_after_forward: bool | None = None,
-                sync_batch_stats: bool = False) -> FSDP:
+                sync_batch_stats: bool = False, tensor_axis: str | None = None,
+                tensor_rules: TensorRules | None = None) -> FSDP:
     """FSDP for your own model: plan its units and return the ``FSDP`` runtime that runs its forward.
 
     Example (NNX; the model may be abstract, from ``nnx.eval_shape``)::
@@ -45,6 +70,10 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
         step = fsdp.train_step(optax.adamw(1e-3), loss_fn)  # step(..., model_state) if it has any
 
     Pure function: ``shard_model(apply, mesh, params=params, units=["layers.0", "layers.1"])``.
+
+    Tensor parallelism: a mesh ``(fsdp, tensor)`` or ``(replica, fsdp, tensor)`` and
+    ``tensor_axis="tensor"``; each parameter's dim on that axis comes from ``tensor_rules`` or from its
+    ``nnx.with_partitioning`` annotation (docs/jax_backend.md, "Tensor parallelism").
 
     Inside the step, each unit submodule of the step's copy of the model (never yours) is called on its
     gathered parameters; the root unit is gathered for the whole forward.
@@ -68,11 +97,17 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
         sync_batch_stats: NNX only: ``nnx.BatchNorm`` layers average their batch statistics over the
             data-parallel axes (sync BN, equal to single-device training on the global batch); by
             default each device normalizes by its own batch's (plain data parallelism).
+        tensor_axis: a mesh axis of tensor parallelism (None: none). XLA partitions the model's
+            arithmetic over it; the units are planned from the tensor ranks' local shapes.
+        tensor_rules: ``{fnmatch pattern of an FQN: dim or None}``: the dim each matching parameter splits
+            over ``tensor_axis`` (the first matching pattern wins over the parameter's annotation).
 
     Raises:
         UnitError: no units, a unit path that matches nothing, nested units, a parameter shared by two
             units, a parameter that is not floating point.
         LayoutMismatchError: mesh axes that do not exist; ``layouts`` that do not match the units.
+        TensorParallelError: an annotation naming an axis not in the mesh, or a split dim that the tensor
+            axis's size does not divide (names the parameter).
     """
     if isinstance(model, nnx.Module):
         wrapped: NnxModel | FunctionModel = NnxModel(model, units, root, sync_batch_stats)
@@ -91,7 +126,9 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
             raise UnitError("a pure-function model needs units=: pytree path prefixes such as 'layers.0'")
         wrapped = FunctionModel(model, params, units, root)
     check_mesh(mesh, (), axis, replica_axis)  # the axes must exist before the planner reads their size
-    planned = _unit_tensors(wrapped)
+    data_axes = (axis,) if replica_axis is None else (replica_axis, axis)
+    tp = _tensor_parallel(model, wrapped, mesh, tensor_axis, tensor_rules, data_axes)
+    planned = _unit_tensors(wrapped, tp)
     if layouts is None:
         layouts = ragged.plan_model(planned, mesh.shape[axis], granularity,
                                    itemsize=max(jnp.dtype(d).itemsize for _, d in wrapped.shapes.values()))
@@ -105,4 +142,4 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
             f"{sorted(mine - theirs)[:3]} in the model but {sorted(theirs - mine)[:3]} in the layouts")
     return FSDP(mesh, tuple(layouts), wrapped, axis=axis, replica_axis=replica_axis,
                 mp_policy=mp_policy or MixedPrecisionPolicy(), remat=remat,
-                reshard_after_forward=reshard_after_forward)
+                reshard_after_forward=reshard_after_forward, tensor_parallel=tp)

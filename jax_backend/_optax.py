@@ -323,11 +323,12 @@ def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: 
     return jax.tree_util.tree_unflatten(traced.state_def, leaves)
 
 
-def state_specs(state: Any, axis: str) -> Any:
+def state_specs(state: Any, axis: str, buffer_spec: P | None = None) -> Any:
     """The ``PartitionSpec`` of each leaf of a local optimizer state in the step's ``shard_map``.
 
     A ``ShardedState``'s slots are sharded like the buffers and its other leaves replicated; otherwise
-    (``tx`` on flat shards) per-element state is sharded and scalars (step counts) are replicated.
+    (``tx`` on flat shards) per-element state is sharded like the buffers (``buffer_spec``, default
+    ``P(axis)``; ``(T, S)`` shards with a tensor axis) and scalars (step counts) are replicated.
 
     Raises:
         LayoutMismatchError: a state leaf on flat shards that is neither per-element nor a scalar.
@@ -336,11 +337,13 @@ def state_specs(state: Any, axis: str) -> Any:
         return ShardedState(jax.tree.map(lambda _: P(axis), state.slots),
                             jax.tree.map(lambda _: P(), state.rest))
 
+    per_element = P(axis) if buffer_spec is None else buffer_spec
+
     def spec(path: Any, leaf: jax.ShapeDtypeStruct) -> P:
         if leaf.ndim == 0:
             return P()
-        if leaf.ndim == 1:
-            return P(axis)
+        if leaf.ndim == len(per_element):
+            return per_element
         raise LayoutMismatchError(
             f"optimizer state leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}: only per-element "
             "state (like Adam's moments) and scalars can live on flat shards"

@@ -36,7 +36,8 @@ from jax_backend._buffers import (
 )
 from jax_backend._compat import shard_map
 from jax_backend._names import fqn
-from jax_backend._optax import full_optimizer_state, shard_optimizer, state_specs
+from jax_backend._optax import UnsupportedOptimizerError, full_optimizer_state, shard_optimizer, state_specs
+from jax_backend._tensor_parallel import TensorParallel, full_tp_params, pack_tp_unit, shard_tp_params
 from jax_backend._units import MixedPrecisionPolicy, Units
 from ragged import Layout
 
@@ -89,6 +90,9 @@ class FSDP:
             experts, ``ragged.models.ExpertParallelUnit``): ``{unit: its layout over expert_axis}``, under
             the model's names; ``layouts`` holds the unit's composition over ``axis`` (its buffer).
         expert_axis: the part of ``axis`` expert units are sharded over (``"fsdp"``).
+        tensor_parallel: a tensor mesh axis and the dim of each parameter it splits
+            (``_tensor_parallel``): the Layouts are then planned from the tensor ranks' local shapes and a
+            unit's buffer is ``(T, W * S)``; the step is manual over the data axes only.
 
     Raises:
         LayoutMismatchError: an axis not in the mesh, or a world size the Layouts were not planned for.
@@ -105,6 +109,7 @@ class FSDP:
     reshard_after_forward: bool | None = None
     expert_layouts: Mapping[str, Layout] = field(default_factory=dict)
     expert_axis: str | None = None
+    tensor_parallel: TensorParallel | None = None
 
     def __post_init__(self) -> None:
         if self.remat and self.reshard_after_forward is False:
@@ -114,6 +119,12 @@ class FSDP:
         check_mesh(self.mesh, self.layouts, self.axis, self.replica_axis)
         if self.expert_layouts:
             self._check_expert_layouts()
+        if self.tensor_parallel is not None and self.tensor_parallel.axis in self.data_axes:
+            raise LayoutMismatchError(f"the tensor axis {self.tensor_parallel.axis!r} is also a data axis "
+                                      f"{self.data_axes}; tensor parallelism needs an axis of its own")
+        if self.tensor_parallel is not None and self.expert_layouts:
+            raise LayoutMismatchError("expert parallelism with a tensor axis is not supported yet: give "
+                                      "expert_layouts or tensor_parallel, not both")
 
     def _check_expert_layouts(self) -> None:
         """Each expert unit's layout over ``expert_axis`` must tile its buffer over ``axis`` a whole number
@@ -144,8 +155,29 @@ class FSDP:
         """Devices the batch is split over."""
         return axis_size(self.mesh, self.data_axes)
 
+    @property
+    def _buffer_spec(self) -> P:
+        """A buffer's spec in the step's ``shard_map`` (dim 0 of a ``(T, W * S)`` buffer is left to XLA)."""
+        return P(self.axis) if self.tensor_parallel is None else P(None, self.axis)
+
     def _buffer_specs(self) -> dict[str, P]:
-        return {lay.name: P(self.axis) for lay in self.layouts}
+        return {lay.name: self._buffer_spec for lay in self.layouts}
+
+    def _buffer_shape(self, layout: Layout) -> tuple[int, ...]:
+        tp = self.tensor_parallel
+        return (layout.total_numel,) if tp is None else (tp.size, layout.total_numel)
+
+    def buffer_sharding(self) -> NamedSharding:
+        """The sharding of every unit buffer: over ``axis`` (and the tensor axis first, with one)."""
+        tp = self.tensor_parallel
+        return buffer_sharding(self.mesh, self.axis) if tp is None else NamedSharding(
+            self.mesh, P(tp.axis, self.axis))
+
+    def _shard_map(self, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
+        """``shard_map`` manual over every axis, or over the data axes only with a tensor axis (``Auto``:
+        XLA partitions the model's tensor-parallel arithmetic)."""
+        manual = None if self.tensor_parallel is None else frozenset(self.data_axes)
+        return shard_map(f, self.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual)
 
     def shard_optimizer(self, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
         """``optimizer`` as the step runs it on the local shards, with optax's result on the full params.
@@ -156,7 +188,13 @@ class FSDP:
         Raises:
             UnsupportedOptimizerError: a transformation the shards cannot honor, before anything runs.
         """
-        return shard_optimizer(optimizer, self.layouts, self.axis, self.model.tree)
+        sharded = shard_optimizer(optimizer, self.layouts, self.axis, self.model.tree)
+        if self.tensor_parallel is not None and sharded is not optimizer:
+            raise UnsupportedOptimizerError(
+                "with a tensor axis the step runs element-wise optax transformations (adam, adamw, sgd, "
+                "lion, ...) on the (T, S) shards; this one needs the parameters' pieces (masks, norms, "
+                "labels) or the flat shards (on_shards), which tensor parallelism does not provide")
+        return sharded
 
     def full_optimizer_state(self, optimizer: optax.GradientTransformation, state: Any) -> Any:
         """The step's state of ``optimizer`` as optax keeps it on the full params."""
@@ -164,9 +202,10 @@ class FSDP:
 
     def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
         """The shard_map specs of ``optimizer``'s state (``optimizer`` as ``shard_optimizer`` returns it)."""
-        init = shard_map(optimizer.init, self.mesh, in_specs=(self._buffer_specs(),), out_specs=P())
-        buffers = {lay.name: jax.ShapeDtypeStruct((lay.total_numel,), jnp.float32) for lay in self.layouts}
-        return state_specs(jax.eval_shape(init, buffers), self.axis)
+        init = self._shard_map(optimizer.init, in_specs=(self._buffer_specs(),), out_specs=P())
+        buffers = {lay.name: jax.ShapeDtypeStruct(self._buffer_shape(lay), jnp.float32)
+                   for lay in self.layouts}
+        return state_specs(jax.eval_shape(init, buffers), self.axis, self._buffer_spec)
 
     # ----- buffers -----------------------------------------------------------------------------------
     def shard_params(self, params: Any) -> dict[str, jax.Array]:
@@ -174,19 +213,23 @@ class FSDP:
 
         ``params``: ``{fqn: array}``, the NNX module or the params pytree.
         """
-        if not _is_fqn_dict(params, self.layouts):
+        if not _is_fqn_dict(params, self.tensor_parallel or self.layouts):
             params = self.model.flatten(params)
+        if self.tensor_parallel is not None:
+            return shard_tp_params(params, self.layouts, self.mesh, self.axis, self.tensor_parallel)
         return shard_params(params, self.layouts, self.mesh, self.axis)
 
     def full_params(self, buffers: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """Sharded unit buffers -> full ``{fqn: array}`` (see ``full_params``)."""
+        if self.tensor_parallel is not None:
+            return full_tp_params(buffers, self.layouts, self.tensor_parallel)
         return full_params(buffers, self.layouts)
 
     def init(self, optimizer: optax.GradientTransformation, buffers: Mapping[str, jax.Array]) -> Any:
         """``optimizer.init`` on the local shards (``shard_optimizer``): the optimizer state of the step."""
         optimizer = self.shard_optimizer(optimizer)
         specs = self._state_specs(optimizer)
-        init = shard_map(optimizer.init, self.mesh, in_specs=(self._buffer_specs(),), out_specs=specs)
+        init = self._shard_map(optimizer.init, in_specs=(self._buffer_specs(),), out_specs=specs)
         return jax.jit(init)(dict(buffers))
 
     def unit_initializer(self, make: Callable[[], Any], unit: str) -> Callable[[], jax.Array]:
@@ -200,9 +243,11 @@ class FSDP:
 
         def init() -> jax.Array:
             params = self.model.flatten(make())
-            return pack_unit({t.name: params[t.name] for t in layout.tensors}, layout)
+            mine = {t.name: params[t.name] for t in layout.tensors}
+            tp = self.tensor_parallel
+            return pack_unit(mine, layout) if tp is None else pack_tp_unit(mine, layout, tp)
 
-        return jax.jit(init, out_shardings=buffer_sharding(self.mesh, self.axis))
+        return jax.jit(init, out_shardings=self.buffer_sharding())
 
     # ----- model state: one copy per data-parallel device -------------------------------------------
     def _per_device(self, state: Any) -> Any:
@@ -255,7 +300,7 @@ class FSDP:
         units = Units(local, self.layouts, axis=self.axis, replica_axis=self.replica_axis,
                       mp_policy=self.mp_policy, remat=self.remat,
                       reshard_after_forward=self.reshard_after_forward, expert_layouts=self.expert_layouts,
-                      expert_axis=self.expert_axis)
+                      expert_axis=self.expert_axis, tp=self.tensor_parallel)
         return self.model.forward(units, state, inputs)
 
     def check_batch(self, batches: Any) -> None:
@@ -333,8 +378,8 @@ class FSDP:
             return local, opt_state, new_state, lax.psum(loss, self.data_axes), aux
 
         buffers, state, batch = self._buffer_specs(), self._state_specs(optimizer), P(self.data_axes)
-        sharded = shard_map(local_step, self.mesh, in_specs=(buffers, state, batch, batch, batch),
-                            out_specs=(buffers, state, batch, P(), P()))
+        sharded = self._shard_map(local_step, in_specs=(buffers, state, batch, batch, batch),
+                                  out_specs=(buffers, state, batch, P(), P()))
         has_state = bool(jax.tree.leaves(self.model.state))
 
         def step(buffers: dict, opt_state: Any, inputs: Any, targets: Any, model_state: Any = None) -> tuple:
@@ -349,13 +394,18 @@ class FSDP:
                 self.check_model_state(model_state)
             new_buffers, new_opt, new_state, loss, aux = sharded(
                 buffers, opt_state, {} if model_state is None else model_state, inputs, targets)
+            if self.tensor_parallel is not None:  # keep dim 0 of the (T, S) shards on the tensor axis
+                def pin(a: jax.Array) -> jax.Array:
+                    return lax.with_sharding_constraint(a, self.buffer_sharding()) if a.ndim == 2 else a
+                new_buffers, new_opt = jax.tree.map(pin, (new_buffers, new_opt))
             out = (new_buffers, new_opt, loss) + ((aux,) if aux is not None else ())
             return out + ((new_state,) if model_state is not None else ())
 
         return jax.jit(step, donate_argnums=(0, 1, 4))
 
 
-def _is_fqn_dict(params: Any, layouts: tuple[Layout, ...]) -> bool:
-    names = {t.name for lay in layouts for t in lay.tensors}
+def _is_fqn_dict(params: Any, names_of: tuple[Layout, ...] | TensorParallel) -> bool:
+    names = (set(dict(names_of.dims)) if isinstance(names_of, TensorParallel)
+             else {t.name for lay in names_of for t in lay.tensors})
     return isinstance(params, Mapping) and bool(params) and all(isinstance(k, str) for k in params) and (
         set(params) == names)

@@ -27,6 +27,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_backend._buffers import LayoutMismatchError, unpack_unit
+from jax_backend._tensor_parallel import TensorParallel, per_tensor_rank, unpack_tp_unit
 from ragged import Layout
 
 
@@ -62,18 +63,31 @@ class _Comm(NamedTuple):
     param_dtype: Any
     reduce_dtype: Any
     master_dtype: Any
+    tp: TensorParallel | None = None  # with a tensor axis: buffers (T, W * S), dim 0 over it
 
 
 def _all_gather(shard: jax.Array, comm: _Comm) -> jax.Array:
-    return lax.all_gather(shard.astype(comm.param_dtype), comm.axis, tiled=True)
+    def gather(x: jax.Array) -> jax.Array:
+        return lax.all_gather(x.astype(comm.param_dtype), comm.axis, axis=x.ndim - 1, tiled=True)
+
+    return gather(shard) if comm.tp is None else per_tensor_rank(gather, comm.tp.axis)(shard)
 
 
 def _reduce_scatter(grad: jax.Array, comm: _Comm) -> jax.Array:
     """The transpose of the tiled all-gather: each device receives the sum of its own slice."""
-    shard_grad = lax.psum_scatter(grad.astype(comm.reduce_dtype), comm.axis, scatter_dimension=0, tiled=True)
-    if comm.replica_axis is not None:
-        shard_grad = lax.psum(shard_grad, comm.replica_axis)  # HSDP: reduce-scatter, then all-reduce
-    return shard_grad.astype(comm.master_dtype)
+    def reduce_scatter(g: jax.Array) -> jax.Array:
+        shard_grad = lax.psum_scatter(g.astype(comm.reduce_dtype), comm.axis, scatter_dimension=g.ndim - 1,
+                                      tiled=True)
+        if comm.replica_axis is not None:
+            shard_grad = lax.psum(shard_grad, comm.replica_axis)  # HSDP: reduce-scatter, then all-reduce
+        return shard_grad.astype(comm.master_dtype)
+
+    return reduce_scatter(grad) if comm.tp is None else per_tensor_rank(reduce_scatter, comm.tp.axis)(grad)
+
+
+def _unpack(full: jax.Array, layout: Layout, comm: _Comm) -> dict[str, jax.Array]:
+    """The gathered unit's parameters (full shapes; sharded over the tensor axis if there is one)."""
+    return unpack_unit(full, layout) if comm.tp is None else unpack_tp_unit(full, layout, comm.tp)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -109,7 +123,7 @@ def run_resharded(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Array
     reduce-scatters: the unsharded buffer lives during this unit's forward and its backward only
     (``remat``).
     """
-    return apply(unpack_unit(_all_gather(shard, comm), layout), h)
+    return apply(_unpack(_all_gather(shard, comm), layout, comm), h)
 
 
 def _resharded_fwd(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Array, h: Any) -> tuple:
@@ -118,7 +132,7 @@ def _resharded_fwd(apply: Callable, layout: Layout, comm: _Comm, shard: jax.Arra
 
 def _resharded_bwd(apply: Callable, layout: Layout, comm: _Comm, res: tuple, grad: Any) -> tuple:
     shard, h = res
-    _, vjp = jax.vjp(lambda full, x: apply(unpack_unit(full, layout), x),
+    _, vjp = jax.vjp(lambda full, x: apply(_unpack(full, layout, comm), x),
                      _all_gather(_depend_on(shard, grad), comm), h)
     full_grad, h_grad = vjp(grad)
     return _reduce_scatter(full_grad, comm), h_grad
@@ -171,12 +185,12 @@ def run_keeping_activations(apply: Callable, layout: Layout, comm: _Comm, shard:
     VJP around it hands that backward the shard as ``_depend_on(shard, grad)``: given the forward's shard,
     the two all-gathers would be identical and XLA would merge them.
     """
-    return apply(unpack_unit(_all_gather(shard, comm), layout), h)
+    return apply(_unpack(_all_gather(shard, comm), layout, comm), h)
 
 
 def _checkpointed(apply: Callable, layout: Layout, comm: _Comm) -> Callable:
     def forward(shard: jax.Array, h: Any) -> Any:
-        return apply(unpack_unit(gather_unit(checkpoint_name(shard, _UNIT_SHARD), comm), layout), h)
+        return apply(_unpack(gather_unit(checkpoint_name(shard, _UNIT_SHARD), comm), layout, comm), h)
 
     return jax.checkpoint(forward, policy=_save_activations)
 
@@ -208,13 +222,15 @@ class Units:
         mp_policy: the compute and reduce dtypes; remat, reshard_after_forward: as ``FSDP``'s.
         expert_layouts, expert_axis: units gathered over ``expert_axis`` (a part of ``axis``) only, each
             unpacked by its layout there (an EP rank's experts: ``FSDP.expert_layouts``).
+        tp: the tensor axis's split of every parameter (shards ``(T, S)``), or None.
     """
 
     def __init__(self, local: Mapping[str, jax.Array], layouts: Sequence[Layout], *,
                  axis: str | tuple[str, ...], replica_axis: str | None, mp_policy: MixedPrecisionPolicy,
                  remat: bool, reshard_after_forward: bool | None,
-                 expert_layouts: Mapping[str, Layout] | None = None, expert_axis: str | None = None):
-        self.local, self.layouts = local, {lay.name: lay for lay in layouts}
+                 expert_layouts: Mapping[str, Layout] | None = None, expert_axis: str | None = None,
+                 tp: TensorParallel | None = None):
+        self.local, self.layouts, self.tp = local, {lay.name: lay for lay in layouts}, tp
         self.layouts.update(expert_layouts or {})
         self.axes = {u: expert_axis if u in (expert_layouts or {}) else axis for u in self.layouts}
         self.axis, self.replica_axis, self.mp_policy = axis, replica_axis, mp_policy
@@ -229,10 +245,11 @@ class Units:
     def _comm(self, unit: str) -> _Comm:
         master, mp = self.local[unit].dtype, self.mp_policy
         return _Comm(self.axes[unit], self.replica_axis, mp.param_dtype or master, mp.reduce_dtype or master,
-                     master)
+                     master, self.tp)
 
     def gather(self, unit: str) -> dict[str, jax.Array]:
-        return unpack_unit(gather_unit(self.local[unit], self._comm(unit)), self.layouts[unit])
+        comm = self._comm(unit)
+        return _unpack(gather_unit(self.local[unit], comm), self.layouts[unit], comm)
 
     def call(self, unit: str, apply: Callable[[Mapping[str, jax.Array], Any], Any], h: Any) -> Any:
         if self.remat:

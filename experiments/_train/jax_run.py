@@ -77,7 +77,7 @@ def build(args, name: str, config: ragged.models.LlamaConfig, mesh, replicas: in
     mp_policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32) if bf16 else MixedPrecisionPolicy()
     return parallelize(abstract, mesh, replica_axis="replica" if replicas > 1 else None,
                        granularity=granularity, mp_policy=mp_policy, remat=args.activation_checkpointing,
-                       preset=name)
+                       preset=name, tensor_axis="tensor" if args.tp > 1 else None)
 
 
 def build_moe(args, config: ragged.models.MoeConfig, mesh, replicas: int):
@@ -174,16 +174,19 @@ def run(args, name: str, config: ragged.models.LlamaConfig | ragged.models.MoeCo
     if jax.process_count() > 1:  # one number on every process: all refuse, or none (MiB: JAX ints are 32-bit)
         capacity = int(np.min(multihost_utils.process_allgather(np.int32(capacity >> 20)))) << 20
     plan_check(world, capacity, rank0)
-    replicas, moe = args.replicas, isinstance(config, ragged.models.MoeConfig)
-    if moe:
+    replicas, tp, moe = args.replicas, args.tp, isinstance(config, ragged.models.MoeConfig)
+    if moe:  # --tp is refused for MoE models (experiments/train.py)
         if world % (replicas * args.ep):
             raise SystemExit(f"--ep {args.ep} x --hsdp {replicas} must divide the {world} devices")
         shape = (replicas, args.ep, world // (replicas * args.ep))
         mesh = make_mesh(shape, ("replica", "ep", "fsdp")) if replicas > 1 else \
             make_mesh(shape[1:], ("ep", "fsdp"))
     else:
-        mesh = (make_mesh((world,), ("fsdp",)) if replicas == 1 else
-                make_mesh((replicas, world // replicas), ("replica", "fsdp")))
+        if world % (replicas * tp):
+            raise SystemExit(f"--hsdp {replicas} x --tp {tp} must divide the {world} devices")
+        shape, names = (replicas, world // (replicas * tp), tp), ("replica", "fsdp", "tensor")
+        keep = [i for i, size in enumerate(shape) if size > 1 or names[i] == "fsdp"]  # no axes of size 1
+        mesh = make_mesh([shape[i] for i in keep], [names[i] for i in keep])
     ckpt_root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt_root is not None:
         if rank0:

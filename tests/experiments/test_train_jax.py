@@ -1,10 +1,14 @@
-"""``experiments.train --stack jax``: two JAX processes (``jax.distributed``) against one, and resuming."""
+"""``experiments.train --stack jax``: two JAX processes (``jax.distributed``) against one, and resuming;
+a tensor axis against one device."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 
-from tests.experiments._train_launch import LOSS_RTOL, TINY, finish, losses, start_jax
+from tests.experiments._train_launch import LOSS_RTOL, ROOT, TINY, env, finish, losses, start_jax
 
 STEPS = 4
 
@@ -28,4 +32,21 @@ def test_two_jax_processes_match_one_and_resume_bit_exactly(tmp_path):
     assert reference.returncode == 0, reference.stdout[-3000:]
     want = losses(tmp_path / "one" / "log.jsonl")
     np.testing.assert_allclose([after[s] for s in range(STEPS)], [want[s] for s in range(STEPS)],
+                               rtol=LOSS_RTOL)
+
+
+def test_tensor_parallel_run_matches_one_device(tmp_path):
+    """``--tp 2 --hsdp 2`` on 8 host devices (replica 2 x fsdp 2 x tensor 2) against one device. Bound:
+    LOSS_RTOL, the data-parallel summation order; the row-parallel partial sums round the logits far less."""
+    def train(devices: int, extra: list[str], name: str) -> dict[int, float]:
+        log = tmp_path / f"{name}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "experiments.train", "--stack", "jax", *TINY, "--steps",
+                               str(STEPS), "--log", str(log), *extra], cwd=ROOT, env=env(devices),
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return losses(log)
+
+    got, want = train(8, ["--tp", "2", "--hsdp", "2"], "tp"), train(1, [], "one")
+    assert sorted(got) == list(range(STEPS))
+    np.testing.assert_allclose([got[s] for s in range(STEPS)], [want[s] for s in range(STEPS)],
                                rtol=LOSS_RTOL)
