@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -39,3 +41,27 @@ def leave_and_exit(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def spawn_ranks(world: int, worker: Callable[..., object], *args: object) -> list:
+    """Run ``worker(rank, workdir, *args)`` in ``world`` spawned processes (CUDA cannot be forked) sharing
+    a fresh ``workdir`` to join by (``rendezvous``); returns what each rank's worker returned, in rank
+    order. ``worker`` and ``args`` must pickle (a module-level function); each rank leaves through
+    ``leave_and_exit`` after sending its result."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as workdir:
+        procs = [ctx.Process(target=_rank_main, args=(worker, r, workdir, queue, args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get() for _ in procs)
+        for p in procs:
+            p.join()
+    return [results[r] for r in range(world)]
+
+
+def _rank_main(worker: Callable[..., object], rank: int, workdir: str, queue, args: tuple) -> NoReturn:
+    queue.put((rank, worker(rank, workdir, *args)))  # a SimpleQueue: written before put returns
+    leave_and_exit()

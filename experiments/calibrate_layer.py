@@ -20,16 +20,14 @@ import argparse
 import datetime
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from experiments._distributed import leave_and_exit, rendezvous
+from experiments._distributed import rendezvous, spawn_ranks
 from ragged import plan_model
 from ragged.models import model_units, trained_llama
 from ragged.simulate import PROFILES
@@ -112,27 +110,18 @@ def measure(rank: int, args: argparse.Namespace) -> dict[str, float]:
     return {k: 1e3 * v for k, v in out.items()}
 
 
-def _worker(rank: int, args: argparse.Namespace, workdir: str, queue) -> None:
+def _worker(rank: int, workdir: str, args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(max(1, torch.get_num_threads() // args.world))
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=rendezvous(workdir),
                             rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=120))
-    queue.put((rank, measure(rank, args)))
-    leave_and_exit()
+    return measure(rank, args)
 
 
 def calibration(args: argparse.Namespace) -> dict:
     """Launch ``--world`` ranks, measure, and return the calibration file's content (rank 0's times)."""
-    ctx = mp.get_context("spawn")  # CUDA cannot be forked
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as workdir:
-        procs = [ctx.Process(target=_worker, args=(r, args, workdir, queue)) for r in range(args.world)]
-        for p in procs:
-            p.start()
-        times = dict(queue.get() for _ in procs)
-        for p in procs:
-            p.join()
+    times = spawn_ranks(args.world, _worker, args)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     return {"format": FORMAT,
             "source": f"experiments.calibrate_layer on {args.world} x {device}, "

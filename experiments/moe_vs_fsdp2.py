@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -247,11 +246,11 @@ def _timing(name: str, rank: int, warmup: int, steps: int) -> dict:
     return out
 
 
-def _worker(rank: int, workdir: str, name: str, warmup: int, steps: int, queue, setup: dict) -> None:
+def _worker(rank: int, workdir: str, name: str, warmup: int, steps: int, setup: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from experiments._distributed import leave_and_exit, rendezvous
+    from experiments._distributed import rendezvous
 
     globals().update(setup)
     torch.set_num_threads(1)
@@ -261,24 +260,13 @@ def _worker(rank: int, workdir: str, name: str, warmup: int, steps: int, queue, 
     from experiments.torch_vs_fsdp2 import _mark_collectives
 
     _mark_collectives()
-    queue.put((rank, _timing(name, rank, warmup, steps)))
-    leave_and_exit()
+    return _timing(name, rank, warmup, steps)
 
 
 def _launch(name: str, warmup: int, steps: int) -> list[dict]:
-    import torch.multiprocessing as mp
+    from experiments._distributed import spawn_ranks
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as workdir:
-        procs = [ctx.Process(target=_worker, args=(r, workdir, name, warmup, steps, queue, _torch_setup()))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get() for _ in procs)
-        for p in procs:
-            p.join()
-    return [results[r] for r in range(WORLD)]
+    return spawn_ranks(WORLD, _worker, name, warmup, steps, _torch_setup())
 
 
 def _torch_summary(ranks: list[dict]) -> dict:

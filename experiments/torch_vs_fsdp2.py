@@ -34,16 +34,14 @@ import json
 import os
 import resource
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from experiments._distributed import leave_and_exit, rendezvous
+from experiments._distributed import rendezvous, spawn_ranks
 from ragged.models import LlamaConfig, flops_per_token, trained_llama, trained_model_names
 
 # The run's settings; ``--world/--model/--batch/--seq/--device/--dtype`` replace them (in every worker).
@@ -304,8 +302,8 @@ def _configure(setup: dict) -> None:
     globals().update(setup)
 
 
-def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: int, steps: int, queue,
-            setup: dict) -> None:
+def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: int, steps: int,
+            setup: dict) -> dict:
     _configure(setup)
     torch.set_num_threads(1)
     if DEVICE == "cuda":
@@ -324,24 +322,13 @@ def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: in
         result = _compiled(rank, mesh, warmup, steps)
     else:
         result = _memory(name, kind, mesh, warmup + steps, offload=mode == "offload")
-    queue.put((rank, result))  # a SimpleQueue: written before put returns
-    leave_and_exit()
+    return result
 
 
 def _launch(name: str, mode: str, kind: str, warmup: int, steps: int) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the workers: big frees leave the RSS
     setup = dict(WORLD=WORLD, CONFIG=CONFIG, BATCH=BATCH, SEQ=SEQ, DEVICE=DEVICE, DTYPE=DTYPE)
-    with tempfile.TemporaryDirectory() as workdir:
-        procs = [ctx.Process(target=_worker, args=(r, workdir, name, mode, kind, warmup, steps, queue, setup))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get() for _ in procs)
-        for p in procs:
-            p.join()
-    return [results[r] for r in range(WORLD)]
+    return spawn_ranks(WORLD, _worker, name, mode, kind, warmup, steps, setup)
 
 
 def _summary(timing: list[dict], memory: dict[str, list[dict]]) -> dict:

@@ -204,7 +204,7 @@ def parallelize_moe(model: MoEDecoder, mesh: Mesh, *, ep_axis: str = "ep", axis:
     itemsize = max(jnp.dtype(dt).itemsize for _, dt in wrapped.shapes.values())
     experts = plan_expert_parallel(c, ep, fsdp, granularity, itemsize=itemsize)
     by_name = {u.name: u for u in experts}
-    tensors = _unit_tensors(wrapped)
+    tensors = _unit_tensors(wrapped, None)  # no tensor axis under expert parallelism
     for unit, local in [(by_name[u], t) for u, t in tensors if u in by_name]:
         if sorted(local) != sorted((s.name, s.shape) for s in unit.local.tensors):
             raise LayoutMismatchError(f"{unit.name}: the model's experts {sorted(local)[:2]} ... differ from "

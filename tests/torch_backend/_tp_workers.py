@@ -12,8 +12,6 @@ parameters read back with ``full_tensor()``, the placement's own gather).
 from __future__ import annotations
 
 import os
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ragged.models import LLAMA_TINY
+from tests.torch_backend._dist import run_cases
 from tests.torch_backend._user_model_workers import rel_errors
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # torch's: both take it
@@ -315,24 +314,14 @@ def dcp_load(mesh: DeviceMesh, ckpt_dir: str) -> dict:
 
 
 # ----- checks ---------------------------------------------------------------------------------------
-def _run(checks: dict[str, Callable[[], object]]) -> dict:
-    out = {}
-    for name, check in checks.items():
-        try:
-            out[name] = check()
-        except BaseException:
-            out[name] = {"error": traceback.format_exc()}
-    return out
-
-
 def checks(rank: int, world: int, ckpt_dir: str) -> dict:
     torch.manual_seed(0)
     if world == 2:  # after the 4-rank launch wrote the checkpoint
-        return _run({"dcp_load_dp1_tp2": lambda: dcp_load(
+        return run_cases({"dcp_load_dp1_tp2": lambda: dcp_load(
             init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), ckpt_dir)})
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        return _run({
+        return run_cases({
             "llama": lambda: composed("llama", mesh, ("dp",), reference("llama")),
             "hf": lambda: composed("hf", mesh, ("dp",), reference("hf")),
             "llama_bf16": lambda: composed("llama", mesh, ("dp",), reference("llama"), mp_policy=BF16),
@@ -343,7 +332,7 @@ def checks(rank: int, world: int, ckpt_dir: str) -> dict:
                 init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp")), ckpt_dir),
         })
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
-    return _run({
+    return run_cases({
         "llama_hsdp": lambda: composed("llama", mesh, ("replicate", "dp"), reference("llama")),
         "hf_hsdp": lambda: composed("hf", mesh, ("replicate", "dp"), reference("hf")),
     })

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.torch_backend import _tp_workers as W
-from tests.torch_backend._dist import launch, rank0_result
+from tests.torch_backend._dist import case_results, launch
 
 WORKERS = str(Path(W.__file__))
 # Losses: each step's loss is the mean over B * T token predictions, which the sharded runs sum in
@@ -59,11 +59,11 @@ def assert_trains_like_reference_and_fsdp2(r: dict) -> None:
 
 @pytest.mark.parametrize("case, world", [("llama", 4), ("hf", 4), ("llama_hsdp", 8), ("hf_hsdp", 8)])
 def test_tp_then_fully_shard_trains_like_single_process_and_fsdp2(run, case, world):
-    assert_trains_like_reference_and_fsdp2(rank0_result(run, world, case))
+    assert_trains_like_reference_and_fsdp2(case_results(run(world), case)[0])
 
 
 def test_bf16_mixed_precision_is_no_further_from_the_reference_than_fsdp2(run):
-    r = rank0_result(run, 4, "llama_bf16")
+    r = case_results(run(4), "llama_bf16")[0]
     ours, fsdp2 = r["ours"], r["fsdp2"]
     assert ours["params"] <= BF16_RTOL, r
     # No further than FSDP2 + TP beyond fp32 rounding: both round the same bf16 all-gathers and matmuls.
@@ -71,24 +71,24 @@ def test_bf16_mixed_precision_is_no_further_from_the_reference_than_fsdp2(run):
 
 
 def test_sharded_parameters_compose_ragged_shard_on_dp_with_the_tp_placement(run):
-    placements = rank0_result(run, 4, "llama")["placements"]
+    placements = case_results(run(4), "llama")[0]["placements"]
     assert placements["layers.0.attention.wq.weight"][1] == "S(0)"  # colwise
     assert placements["layers.0.attention.wo.weight"][1] == "S(1)"  # rowwise
     assert placements["layers.0.attention_norm.weight"][1] == "R"  # sequence parallel
     assert all(p[0].startswith("RS(") for p in placements.values()), placements
-    hf = rank0_result(run, 4, "hf")["placements"]
+    hf = case_results(run(4), "hf")[0]["placements"]
     assert len(hf["model.norm.weight"]) == 1, hf  # a plain parameter in a TP unit: the dp mesh only
 
 
 def test_redistribute_to_replicate_and_to_the_tp_placement_gives_the_reference_values(run):
-    r = rank0_result(run, 4, "redistribute")
+    r = case_results(run(4), "redistribute")[0]
     assert r == {"replicate": 0.0, "tp_only": 0.0}, r  # pure data movement: bit-equal
 
 
 @pytest.mark.parametrize("case, world", [("dcp_load_dp4_tp1", 4), ("dcp_load_dp1_tp2", 2)])
 def test_dcp_saved_at_dp2_tp2_loads_at_another_mesh_and_trains_on(run, case, world):
-    rank0_result(run, 4, "dcp_save")
-    r = rank0_result(run, world, case)
+    case_results(run(4), "dcp_save")[0]
+    r = case_results(run(world), case)[0]
     assert r["state_keys"] and r["params"] == 0.0 and r["state"] == 0.0, r  # the saved bits, resharded
     assert r["loss"] <= LOSS_RTOL and r["after"] <= FP32_RTOL, r  # step 6 against the reference's
 
@@ -96,7 +96,7 @@ def test_dcp_saved_at_dp2_tp2_loads_at_another_mesh_and_trains_on(run, case, wor
 @pytest.mark.parametrize("optimizer", ["adam8bit", "muon"])
 def test_8bit_adam_and_muon_refuse_tp_split_parameters_naming_them(run, optimizer):
     # Their tiles and Newton-Schulz matrices are made whole over the data-parallel dim only.
-    message = rank0_result(run, 4, "refusals")[optimizer]
+    message = case_results(run(4), "refusals")[0][optimizer]
     assert message.startswith("PlacementError: tok_embeddings.weight: placements"), message
     assert "are not supported by this optimizer" in message, message
 
@@ -109,6 +109,6 @@ def test_8bit_adam_and_muon_refuse_tp_split_parameters_naming_them(run, optimize
     ("dp_uses_tp", "shares the dims ['tp'] with the data-parallel mesh"),
 ])
 def test_what_cannot_compose_is_refused_naming_the_parameter_and_the_rule(run, case, rule):
-    message = rank0_result(run, 4, "refusals")[case]
+    message = case_results(run(4), "refusals")[0][case]
     assert message.startswith("ValueError: fully_shard: parameter 'weight' is a DTensor"), message
     assert rule in message, message
