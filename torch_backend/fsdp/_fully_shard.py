@@ -74,9 +74,16 @@ def _resolve_granularity(granularity: GranularityArg, name: str, shape: tuple[in
 
 
 def _packed_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The shape the unit's buffer holds: a TP parameter's local tensor (FSDP shards each TP rank's
-    part, as FSDP2 does), a plain parameter itself."""
-    return tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
+    """The shape the unit's buffer holds: a TP parameter's TP-local part (FSDP shards each TP rank's part,
+    as FSDP2 does), a plain parameter itself. Only ``Shard`` dims split it: a parameter already sharded
+    by ``fully_shard`` (its ``RaggedShard`` dim) plans as the tensor it stands for."""
+    if not isinstance(param, DTensor):
+        return tuple(param.shape)
+    shape = list(param.shape)
+    for size, placement in zip(param.device_mesh.shape, param.placements):
+        if isinstance(placement, Shard):
+            shape[placement.dim] //= size
+    return tuple(shape)
 
 
 def _as_list(module_or_modules: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
