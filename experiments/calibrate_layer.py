@@ -30,8 +30,7 @@ import torch.distributed as dist
 from experiments._distributed import rendezvous, spawn_ranks
 from ragged import plan_model
 from ragged.models import model_units, trained_llama
-from ragged.simulate import PROFILES
-from ragged.simulate._calibration import FORMAT
+from ragged.simulate import PROFILES, Calibration
 
 UNIT = "layers.0"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -120,15 +119,15 @@ def _worker(rank: int, workdir: str, args: argparse.Namespace) -> dict[str, floa
 
 
 def calibration(args: argparse.Namespace) -> dict:
-    """Launch ``--world`` ranks, measure, and return the calibration file's content (rank 0's times)."""
+    """Launch ``--world`` ranks, measure, and return the calibration file's content (rank 0's times),
+    checked by the simulator's own ``Calibration``."""
     times = spawn_ranks(args.world, _worker, args)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    return {"format": FORMAT,
-            "source": f"experiments.calibrate_layer on {args.world} x {device}, "
-                      f"{datetime.date.today().isoformat()}",
-            "hardware": args.hardware or hardware_of(args.device), "model": args.model, "method": "ours",
-            "gpus": args.world, "unit": UNIT, "batch_per_device": args.batch, "seq_len": args.seq_len,
-            "dtype": args.dtype, "measured_ms": {k: round(v, 4) for k, v in times[0].items()}}
+    return Calibration(
+        source=f"experiments.calibrate_layer on {args.world} x {device}, {datetime.date.today().isoformat()}",
+        hardware=args.hardware or hardware_of(args.device), model=args.model, method="ours", gpus=args.world,
+        unit=UNIT, measured_ms={k: round(v, 4) for k, v in times[0].items()}, batch_per_device=args.batch,
+        seq_len=args.seq_len, dtype=args.dtype).to_dict()
 
 
 def main(argv: list[str] | None = None) -> None:

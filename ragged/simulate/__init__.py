@@ -13,7 +13,7 @@ from ragged.simulate._hardware import PROFILES, Hardware, hardware, load_hardwar
 from ragged.simulate._schedule import Op, UnitTimes
 from ragged.simulate._step import StepConfig, StepResult, simulate
 from ragged.simulate._timeline_svg import timeline_svg
-from ragged.simulate._workload import METHODS, Method, UnitCost, layer_matmuls
+from ragged.simulate._workload import METHODS, Method, UnitCost
 
 __all__ = [
     "METHODS",
@@ -35,7 +35,6 @@ __all__ = [
     "hardware",
     "hierarchical_time",
     "load_calibration",
-    "layer_matmuls",
     "load_hardware",
     "ring_link",
     "ring_time",

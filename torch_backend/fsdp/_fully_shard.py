@@ -23,7 +23,7 @@ from torch_backend._torch_internals import offset_free, source_mesh
 from torch_backend.fsdp._api import as_mp_policy, offloads_to_cpu
 from torch_backend.fsdp._hooks import EmbeddingRenorm, FSDPState, states_under
 from torch_backend.fsdp._module import FSDPModule
-from torch_backend.fsdp._tensor_parallel import check_one_tp_mesh, tensor_parallel
+from torch_backend.fsdp._tensor_parallel import check_one_tp_mesh, shard_dims_split, tensor_parallel
 from torch_backend.fsdp._unit import ParamRef, Unit
 
 GranularityArg = GranularityRule | Granularity | int | str | None
@@ -79,11 +79,7 @@ def _packed_shape(param: torch.Tensor) -> tuple[int, ...]:
     by ``fully_shard`` (its ``RaggedShard`` dim) plans as the tensor it stands for."""
     if not isinstance(param, DTensor):
         return tuple(param.shape)
-    shape = list(param.shape)
-    for size, placement in zip(param.device_mesh.shape, param.placements):
-        if isinstance(placement, Shard):
-            shape[placement.dim] //= size
-    return tuple(shape)
+    return shard_dims_split(tuple(param.shape), tuple(param.device_mesh.shape), param.placements)
 
 
 def _as_list(module_or_modules: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

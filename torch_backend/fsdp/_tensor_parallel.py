@@ -22,6 +22,17 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch_backend._torch_internals import source_mesh
 
 
+def shard_dims_split(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                     placements: tuple[Placement, ...]) -> tuple[int, ...]:
+    """``shape`` with each ``Shard(d)`` mesh dim's split applied (even splits); other placements, our
+    ``RaggedShard`` among them, leave it whole."""
+    out = list(shape)
+    for size, p in zip(mesh_shape, placements):
+        if isinstance(p, Shard):
+            out[p.dim] //= size
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """How one parameter is split by tensor parallelism (its DTensor spec before ``fully_shard``)."""
@@ -37,11 +48,7 @@ class TensorParallel:
 
     def local_shape(self) -> tuple[int, ...]:
         """The TP-local shape, the same on every TP rank (``check`` refuses uneven splits)."""
-        shape = list(self.shape)
-        for size, p in zip(self.mesh.shape, self.placements):
-            if isinstance(p, Shard):
-                shape[p.dim] //= size
-        return tuple(shape)
+        return shard_dims_split(self.shape, tuple(self.mesh.shape), self.placements)
 
 
 def tensor_parallel(name: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> TensorParallel | None:
