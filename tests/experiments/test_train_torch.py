@@ -82,6 +82,14 @@ def test_tp_that_does_not_divide_the_devices_or_the_sequence_is_refused():
         main([*TINY, "--tp", "3", "--dry-run", "--gpus", "4"])
 
 
+def test_tp_on_an_moe_or_with_a_non_elementwise_jax_optimizer_is_refused():
+    wired = "--tp 2: tensor parallelism is wired for the llamas only, not mixtral-tiny"
+    with pytest.raises(SystemExit, match=wired):
+        main(["--model", "mixtral-tiny", "--tp", "2", "--dry-run", "--gpus", "4"])
+    with pytest.raises(SystemExit, match="--tp: on the JAX stack tensor parallelism runs with adamw"):
+        main(["--stack", "jax", "--optimizer", "muon", "--tp", "2", "--dry-run", "--gpus", "4"])
+
+
 def plain_moe_losses(name: str, steps: int, ranks: int) -> list[float]:
     """The MoE reference: one process, no sharding; each step averages the loss of each rank's rows, computed
     apart (the load-balancing loss is a product of per-batch means, so it is defined per rank's batch, as
