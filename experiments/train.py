@@ -92,25 +92,25 @@ def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig | ra
     shapes = ragged.models.trained_shapes(args.model, config)
     granularity = ("tiles" if args.optimizer == "adam8bit" else "rows:1") if args.granularity == "auto" \
         else args.granularity
+    if args.tp < 1 or world % args.tp or args.seq_len % args.tp:
+        raise SystemExit(f"--tp {args.tp}: the tensor-parallel degree must divide the {world} devices and "
+                         f"--seq-len {args.seq_len} (sequence parallel)")
     if args.hsdp == "auto":
         # the runtimes keep one unit per layer: merge 1
-        advice = ragged.advise.advise(shapes, world, granularity)
+        advice = ragged.advise.advise(shapes, world, granularity, tp=args.tp)
         fits = [o for o in advice.options if o.merge == 1 and o.padding_ratio <= advice.max_padding]
         replicas = max(fits, key=lambda o: o.group_size).replicas if fits else 1
     else:
         replicas = int(args.hsdp)
-    if args.tp < 1 or world % args.tp or args.seq_len % args.tp:
-        raise SystemExit(f"--tp {args.tp}: the tensor-parallel degree must divide the {world} devices and "
-                         f"--seq-len {args.seq_len} (sequence parallel)")
     dp = world // args.tp  # devices that see different rows
     if replicas < 1 or dp % replicas:
         raise SystemExit(f"--hsdp {replicas}: the replica count must divide the {dp} data-parallel devices")
     if args.batch % dp:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {dp} data-parallel devices")
     args.replicas = replicas
-    return ragged.models.memory_plan(args.model, config, world, replicas=replicas, granularity=granularity,
-                              dtype=args.dtype, optimizer=args.optimizer,
-                              batch_per_device=args.batch // world,
+    return ragged.models.memory_plan(args.model, config, world, replicas=replicas, tp=args.tp, ep=args.ep,
+                              granularity=granularity, dtype=args.dtype, optimizer=args.optimizer,
+                              batch_per_device=args.batch // dp,
                               seq_len=args.seq_len, activation_checkpointing=args.activation_checkpointing,
                               shapes=shapes)
 

@@ -1,4 +1,4 @@
-"""The ``ragged`` command: ``plan``, ``sweep``, ``advise`` and ``simulate`` (see docs/cli.md).
+"""The ``ragged`` command: ``plan``, ``sweep``, ``advise``, ``memory`` and ``simulate`` (see docs/cli.md).
 
 Human output is a rich table; ``--json OUT`` writes the machine-readable result (``-`` for stdout).
 Bad input prints one line, ``ragged: error: ...``, and exits with status 2.
@@ -17,7 +17,8 @@ from ragged import Granularity, Layout, RaggedError
 from ragged.advise import Advice, advise
 from ragged.bench import BASELINES, SWEEP_GRANULARITIES, SWEEP_MODELS, SWEEP_WORLD_SIZES, padding_sweep
 from ragged.bench._sweep import UnitComparison, compare_units
-from ragged.models import model_names, model_units, read_shapes_file
+from ragged.models import llama_tp_shapes, model_names, model_units, read_shapes_file
+from ragged.models._memory_cli import add_parser as add_memory_parser
 from ragged.simulate._cli import add_parser as add_simulate_parser
 from ragged.simulate._cli import run_advise as simulate_advise
 from ragged.viz import METHODS, Picture, draw_plan
@@ -48,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help=f"a preset: {', '.join(model_names())}")
     src.add_argument("--shapes", metavar="FILE.json", help="a shapes file (see docs/cli.md)")
     q.add_argument("--world-size", type=int, required=True, help="FSDP group size m")
+    q.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree (llama presets): plan each TP rank's local tensors")
     q.add_argument("--granularity", default="rows:1", help="matrix granularity (default rows:1)")
     q.add_argument("--itemsize", type=int, default=4, help="bytes per element; alignment = 16 bytes")
     q.add_argument("--json", metavar="OUT", help="write the layouts as JSON to OUT ('-' for stdout)")
@@ -67,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("advise", help="recommend an HSDP group size and unit grouping")
     a.add_argument("--model", required=True, help=f"a preset: {', '.join(model_names())}")
     a.add_argument("--gpus", type=int, required=True, help="number of devices N")
+    a.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree (llama presets): groups divide N / tp, TP-local tensors")
     a.add_argument("--granularity", default="rows:1", help="matrix granularity (default rows:1)")
     a.add_argument("--max-padding", default="3%", help="target, e.g. 3%% or 0.03 (default 3%%)")
     a.add_argument("--merge-factors", default="1,2,4", help="adjacent layers per unit to try")
@@ -77,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--hardware",
                    help="rank by simulated step time on this profile (h800, ...) instead of padding")
     a.set_defaults(run=_run_advise)
+    add_memory_parser(sub)
     add_simulate_parser(sub)
     return p
 
@@ -85,13 +91,19 @@ def _parser() -> argparse.ArgumentParser:
 def _run_plan(args: argparse.Namespace) -> int:
     _positive("--world-size", args.world_size)
     _positive("--itemsize", args.itemsize)
+    _positive("--tp", args.tp)
     matrix = Granularity.parse(args.granularity)
-    units = model_units(args.model, matrix) if args.model else read_shapes_file(args.shapes, matrix)
+    if args.tp > 1 and not args.model:
+        raise RaggedError("--tp splits the llama presets' tensors (--model); a shapes file gives each TP "
+                          "rank's local shapes itself")
+    model = llama_tp_shapes(args.model, args.tp) if args.tp > 1 else args.model
+    units = model_units(model, matrix) if args.model else read_shapes_file(args.shapes, matrix)
     compared = compare_units(units, args.world_size, itemsize=args.itemsize)
     if args.json:
         _write_json(args.json, plan_json(compared, args.world_size))
     if args.json != "-":
-        _print_plan(compared, args.model or args.shapes, args.world_size, matrix)
+        source = f"{args.model} (TP {args.tp}: each TP rank's tensors)" if args.tp > 1 else args.model
+        _print_plan(compared, source or args.shapes, args.world_size, matrix)
     if args.svg or args.show:
         picture = _plan_picture([c.layout for c in compared])
         if args.svg:
@@ -175,13 +187,16 @@ def _run_sweep(args: argparse.Namespace) -> int:
 # ----- advise ------------------------------------------------------------------------------------
 def _run_advise(args: argparse.Namespace) -> int:
     _positive("--gpus", args.gpus)
+    _positive("--tp", args.tp)
     if args.hardware:
+        if args.tp > 1:
+            raise RaggedError("--hardware simulates FSDP/HSDP steps without tensor parallelism; drop --tp")
         return simulate_advise(args)
     _positive("--itemsize", args.itemsize)
     target = _ratio(args.max_padding)
     merges = [_int_item(x, "--merge-factors") for x in _list(args.merge_factors, "--merge-factors")]
-    advice = advise(args.model, args.gpus, args.granularity, max_padding=target, merge_factors=merges,
-                    exhaustive=args.all_groups, itemsize=args.itemsize)
+    advice = advise(args.model, args.gpus, args.granularity, tp=args.tp, max_padding=target,
+                    merge_factors=merges, exhaustive=args.all_groups, itemsize=args.itemsize)
     if args.json:
         _write_json(args.json, asdict(advice))
     if args.json != "-":
@@ -190,7 +205,8 @@ def _run_advise(args: argparse.Namespace) -> int:
 
 
 def _print_advice(advice: Advice, model: str, itemsize: int) -> None:
-    table = _table(f"{model} on {advice.gpus} devices, granularity {advice.granularity}, "
+    tp = f" = TP {advice.tp} x {advice.gpus // advice.tp} data-parallel" if advice.tp > 1 else ""
+    table = _table(f"{model} on {advice.gpus} devices{tp}, granularity {advice.granularity}, "
                    f"target padding <= {_pct(advice.max_padding)}",
                    ["group", "replicas", "merge", "padding", "largest unit", "shard/device",
                     "all-gather/device/step", ""])
@@ -206,8 +222,9 @@ def _print_advice(advice: Advice, model: str, itemsize: int) -> None:
         print(f"no option keeps padding <= {_pct(advice.max_padding)}: "
               "try a finer granularity or larger merge factors")
     else:
-        print(f"recommended: FSDP group of {r.group_size} x {r.replicas} replicas (HSDP), {r.merge} layer(s) "
-              f"per unit: padding {_pct(r.padding_ratio)}")
+        tp = f" x TP {advice.tp}" if advice.tp > 1 else ""
+        print(f"recommended: FSDP group of {r.group_size} x {r.replicas} replicas (HSDP){tp}, {r.merge} "
+              f"layer(s) per unit: padding {_pct(r.padding_ratio)}")
 
 
 # ----- helpers -----------------------------------------------------------------------------------

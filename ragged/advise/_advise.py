@@ -16,6 +16,11 @@ Recommendation rule: among the options whose whole-model padding is at most the 
 smallest merge factor (merging k layers multiplies the unsharded unit every device materialises by
 k), and for it the largest group size (each device then holds the smallest share of the model).
 None when no option meets the target. The table shows every option, for those who weigh it otherwise.
+
+With tensor parallelism (``tp``, the llamas) each TP rank's FSDP shards its TP-local tensors over the
+``N / tp`` data-parallel devices, so the options are group sizes dividing ``N / tp`` over the TP-local
+units (``ragged.models.llama_tp_shapes``); what fits in memory is ``ragged.models.memory_plan``'s question
+(``ragged memory --tp 1,2,4,8`` compares the degrees).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ragged._planner import plan
 from ragged._units import ModelShapes, UnitSpecs
 from ragged.bench._sweep import distinct_units
 from ragged.models._shapes_file import model_units
+from ragged.models._tensor_parallel import llama_tp_shapes, tp_local_shapes
 
 LAYER_PREFIX = "layers."
 
@@ -61,6 +67,7 @@ class Advice:
     max_padding: float
     options: tuple[HsdpOption, ...]
     recommended: HsdpOption | None
+    tp: int = 1
 
 
 def merge_layers(units: Sequence[UnitSpecs], merge: int) -> tuple[UnitSpecs, ...]:
@@ -104,7 +111,7 @@ def evaluate(units: Sequence[UnitSpecs], gpus: int, group_size: int, merge: int,
 
 
 def advise(model: str | ModelShapes, gpus: int, granularity: Granularity | int | str = "rows:1", *,
-           max_padding: float = 0.03, merge_factors: Iterable[int] = (1, 2, 4),
+           tp: int = 1, max_padding: float = 0.03, merge_factors: Iterable[int] = (1, 2, 4),
            group_sizes: Iterable[int] | None = None, exhaustive: bool = False, itemsize: int = 4) -> Advice:
     """Recommend an HSDP group size and a unit grouping for ``model`` on ``gpus`` devices.
 
@@ -112,9 +119,12 @@ def advise(model: str | ModelShapes, gpus: int, granularity: Granularity | int |
         model: a preset name or ``ModelShapes``; matrices get ``granularity``, 1-D tensors element.
         gpus: the number of devices N.
         granularity: the matrix granularity (``granularity_for``'s rule).
+        tp: the tensor-parallel degree (llamas): the units are the TP-local shapes (``llama_tp_shapes`` of
+            a preset, ``tp_local_shapes`` of ``ModelShapes``) and the groups divide the ``N / tp``
+            data-parallel devices.
         max_padding: the target, a ratio of padded to buffer elements (0.03 is 3%).
         merge_factors: the numbers of adjacent decoder layers per unit to try.
-        group_sizes: FSDP group sizes to try (each must divide ``gpus``); default all divisors.
+        group_sizes: FSDP group sizes to try (each must divide ``N / tp``); default all divisors.
         exhaustive: evaluate every group size, not only down to the recommended one.
         itemsize: bytes per element (alignment, as in ``plan``, and the all-gather bytes).
 
@@ -132,21 +142,27 @@ def advise(model: str | ModelShapes, gpus: int, granularity: Granularity | int |
     """
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise RaggedError(f"gpus must be an int >= 1, got {gpus!r}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or gpus % tp:
+        raise RaggedError(f"tp={tp!r} must be an int >= 1 dividing gpus={gpus}")
+    dp = gpus // tp
     if not 0 <= max_padding < 1:
         raise RaggedError(f"max_padding must be a ratio in [0, 1), got {max_padding!r}")
     sizes = sorted(set(group_sizes) if group_sizes is not None else
-                   {d for d in range(1, gpus + 1) if gpus % d == 0}, reverse=True)
-    bad = [g for g in sizes if isinstance(g, bool) or not isinstance(g, int) or g < 1 or gpus % g]
+                   {d for d in range(1, dp + 1) if dp % d == 0}, reverse=True)
+    bad = [g for g in sizes if isinstance(g, bool) or not isinstance(g, int) or g < 1 or dp % g]
     if bad:
-        raise RaggedError(f"group sizes {bad} do not divide gpus={gpus}")
+        per_tp = f" / tp={tp} = {dp} data-parallel devices" if tp > 1 else ""
+        raise RaggedError(f"group sizes {bad} do not divide gpus={gpus}{per_tp}")
     merges = sorted(set(merge_factors))
+    if tp > 1:
+        model = llama_tp_shapes(model, tp) if isinstance(model, str) else tp_local_shapes(model, tp)
     units = model_units(model, granularity)
     options: list[HsdpOption] = []
     for g in sizes:
-        row = [evaluate(units, gpus, g, k, itemsize=itemsize) for k in merges]
+        row = [evaluate(units, dp, g, k, itemsize=itemsize) for k in merges]
         options += row
         if not exhaustive and row[0].padding_ratio <= max_padding:
             break  # the smallest merge factor meets the target: the recommendation is final
     meeting = [o for o in options if o.padding_ratio <= max_padding]
     best = min(meeting, key=lambda o: (o.merge, -o.group_size), default=None)
-    return Advice(gpus, str(Granularity.parse(granularity)), max_padding, tuple(options), best)
+    return Advice(gpus, str(Granularity.parse(granularity)), max_padding, tuple(options), best, tp)

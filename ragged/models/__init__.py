@@ -5,6 +5,9 @@
 - mixture-of-experts decoders: ``MoeConfig``, ``MOE_CONFIGS`` (full-size presets and CPU-sized ``*-tiny``
   ones), ``moe_shapes``, ``expert_shapes``; expert parallelism composed with FSDP:
   ``plan_expert_parallel`` (an ``ExpertParallelUnit`` per MoE layer, its tensors' ``ExpertSource``);
+- tensor parallelism of the llamas: ``LLAMA_TP_SPLIT`` (Megatron's split, the one both runtimes apply),
+  ``tp_split_dim``, ``check_tensor_parallel``, ``tp_local_shapes``, ``llama_tp_shapes``,
+  ``TensorParallelError``;
 - your own model: ``read_shapes_file`` / ``parse_shapes`` (JSON), ``model_units`` (a preset's units with
   granularities resolved); both give ``UnitSpecs``;
 - estimates: ``memory_plan`` / ``MemoryPlan`` (per-device memory of a training run), ``flops_per_token``,
@@ -30,6 +33,14 @@ from ragged.models._memory import (
 from ragged.models._moe import MOE_CONFIGS, MoeConfig, expert_shapes, moe_shapes
 from ragged.models._presets import LLAMA_TINY, LlamaConfig, llama_shapes, model_names, model_shapes
 from ragged.models._shapes_file import model_units, parse_shapes, read_shapes_file
+from ragged.models._tensor_parallel import (
+    LLAMA_TP_SPLIT,
+    TensorParallelError,
+    check_tensor_parallel,
+    llama_tp_shapes,
+    tp_local_shapes,
+    tp_split_dim,
+)
 
 __all__ = [
     "ModelShapes",
@@ -47,6 +58,12 @@ __all__ = [
     "ExpertParallelUnit",
     "ExpertSource",
     "plan_expert_parallel",
+    "LLAMA_TP_SPLIT",
+    "TensorParallelError",
+    "check_tensor_parallel",
+    "llama_tp_shapes",
+    "tp_local_shapes",
+    "tp_split_dim",
     "model_units",
     "parse_shapes",
     "read_shapes_file",
