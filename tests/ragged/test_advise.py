@@ -84,3 +84,31 @@ def test_bad_input(kwargs, message):
         advise("llama-tiny", **kwargs)
     with pytest.raises(RaggedError, match="unknown model 'nope'"):
         advise("nope", 8)
+
+
+def _tp_local(model: ModelShapes, tp: int) -> ModelShapes:
+    """Megatron's split written out by each tensor's role: out dim of wq wk wv w1 w3, in dim of wo w2,
+    vocabulary rows of the embedding and the head; the norms whole."""
+    split = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1, "tok_embeddings": 0, "output": 0}
+
+    def local(name, shape):
+        k = split.get(name.split(".")[-2])
+        return shape if k is None else tuple(d // tp if i == k else d for i, d in enumerate(shape))
+    return ModelShapes(model.name, tuple(UnitShapes(u.name, tuple((n, local(n, s)) for n, s in u.tensors))
+                                         for u in model.units))
+
+
+def test_tp_advice_plans_the_tp_local_units_over_the_data_parallel_devices():
+    advice = advise("llama-tiny", 8, tp=2, max_padding=0.01, exhaustive=True)
+    local = _tp_local(model_shapes("llama-tiny"), 2)
+    assert advice.tp == 2
+    assert {(o.group_size, o.merge) for o in advice.options} == {(g, k) for g in (4, 2, 1) for k in (1, 2, 4)}
+    for o in advice.options:
+        assert o.padding_ratio == pytest.approx(_replan(local, o.group_size, o.merge))
+        assert o.replicas * o.group_size * 2 == 8
+    with pytest.raises(RaggedError, match="tp=3 must be an int >= 1 dividing gpus=8"):
+        advise("llama-tiny", 8, tp=3)
+    with pytest.raises(RaggedError, match="TP 4 must divide n_kv_heads=2"):
+        advise("llama-tiny", 8, tp=4)
+    with pytest.raises(RaggedError, match=r"group sizes \[8\] do not divide gpus=8 / tp=2 = 4"):
+        advise("llama-tiny", 8, tp=2, group_sizes=[8])

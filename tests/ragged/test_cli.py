@@ -13,7 +13,7 @@ import pytest
 from ragged import Layout
 from ragged.bench import padding_sweep
 from ragged.cli import main
-from ragged.models import model_shapes
+from ragged.models import LLAMA_TINY, llama_tp_shapes, memory_plan, model_shapes, trained_model
 
 
 def _check_unit_json(unit, world_size):
@@ -183,3 +183,77 @@ def test_sweep_json_rows_equal_padding_sweep(capsys):
     want = padding_sweep(["llama-tiny"], [2, 8], ["rows:16"])
     strip = lambda r: {k: v for k, v in r.items() if k != "plan_seconds"}  # noqa: E731 (timing differs)
     assert [strip(r) for r in rows] == [strip(asdict(r)) for r in want]
+
+
+def test_plan_with_tp_plans_each_tp_ranks_tensors(capsys):
+    assert main(["plan", "--model", "llama-tiny", "--world-size", "2", "--tp", "2", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    local = llama_tp_shapes("llama-tiny", 2)
+    for unit, shapes in zip(data["units"], local.units):
+        assert [(t["name"], tuple(t["shape"])) for t in unit["tensors"]] == list(shapes.tensors)
+        _check_unit_json(unit, 2)
+    assert main(["plan", "--model", "llama-tiny", "--world-size", "2", "--tp", "2"]) == 0
+    assert "llama-tiny (TP 2: each TP rank's tensors): m=2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama-tiny", "--tp", "4"], "TP 4 must divide n_kv_heads=2"),
+    (["--model", "deepseek-v3", "--tp", "2"], "llama presets"),
+    (["--shapes", "s.json", "--tp", "2"], "a shapes file gives each TP rank's local shapes itself"),
+    (["--model", "llama-tiny", "--tp", "0"], "--tp must be >= 1"),
+])
+def test_plan_tp_errors(args, message, capsys):
+    assert main(["plan", "--world-size", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_advise_with_tp(capsys):
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "8", "--tp", "2", "--all-groups", "--json",
+                 "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tp"] == 2 and {o["group_size"] for o in data["options"]} == {4, 2, 1}
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "8", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "= TP 2 x 4 data-parallel" in out and "x TP 2, 1 layer(s) per unit" in out
+    assert main(["advise", "--model", "llama-tiny", "--gpus", "8", "--tp", "2", "--hardware", "h800"]) == 2
+    assert "drop --tp" in capsys.readouterr().err
+
+
+def test_memory_one_degree_prints_the_memory_plan(capsys):
+    assert main(["memory", "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--batch", "8",
+                 "--seq-len", "8192", "--activation-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    c, _ = trained_model("llama3-70b")
+    plan = memory_plan("llama3-70b", c, 64, tp=8, batch_per_device=1, seq_len=8192,
+                       activation_checkpointing=True)
+    assert plan.describe() in out and "\nfits in 80 GiB" in out
+
+
+def test_memory_compares_tp_degrees_at_one_global_batch(capsys):
+    args = ["memory", "--model", "llama-tiny", "--gpus", "4", "--tp", "1,2", "--batch", "8",
+            "--seq-len", "64"]
+    assert main([*args, "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for p, tp in zip(data["plans"], (1, 2)):  # 8 sequences over 4 / tp data-parallel ranks
+        ref = memory_plan("llama-tiny", LLAMA_TINY, 4, tp=tp, batch_per_device=8 // (4 // tp), seq_len=64)
+        assert p["tp"] == tp and p["total"] == ref.total and p["fits"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "TP 1 (1 x 4)" in out and "TP 2 (1 x 2)" in out
+    assert "smallest TP degree that fits in 80 GiB: 1" in out
+    assert main([*args, "--memory-gib", "0.001"]) == 0
+    assert "no TP degree fits in 0.001 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama-tiny", "--gpus", "8", "--tp", "3"], "--tp 3: the global batch of 8 sequences"),
+    (["--model", "llama-tiny", "--gpus", "8", "--tp", "2,x"], "--tp: 'x' is not an int >= 1"),
+    (["--model", "llama-tiny", "--gpus", "8", "--tp", "4"], "TP 4 must divide n_kv_heads=2"),
+    (["--model", "mixtral-tiny", "--gpus", "6", "--ep", "3"], "ep=3 must divide the 8 experts"),
+    (["--model", "gpt-5", "--gpus", "8"], "unknown model 'gpt-5'"),
+])
+def test_memory_errors(args, message, capsys):
+    assert main(["memory", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
