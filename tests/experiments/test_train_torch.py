@@ -185,6 +185,15 @@ def test_dry_run_prints_the_plan_of_the_core(capsys):
     assert "64 devices = 1 replica(s) x 64 shards" in printed and "total per device" in printed
 
 
+def test_dry_run_with_tp_plans_the_tp_local_units_for_the_batch_of_each_tp_group(capsys):
+    main(["--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--seq-len", "8192", "--batch", "16",
+          "--activation-checkpointing", "--dry-run"])
+    config, _ = ragged.models.trained_llama("llama3-70b")
+    plan = ragged.models.memory_plan("llama3-70b", config, 64, tp=8, seq_len=8192, batch_per_device=2,
+                                     activation_checkpointing=True)  # 16 sequences over 8 data-parallel ranks
+    assert plan.describe() in capsys.readouterr().out
+
+
 def test_dry_run_of_an_moe_preset_counts_every_expert_tensor(capsys):
     main(["--model", "deepseek-v3", "--gpus", "256", "--batch", "256", "--seq-len", "4096", "--dry-run"])
     printed = capsys.readouterr().out
