@@ -37,11 +37,12 @@ from ragged._baselines import fsdp2
 from ragged._granularity import Granularity, granularity_for
 from ragged._layout import TensorSpec
 from ragged._model_plan import plan_model
-from ragged.models import MOE_CONFIGS, UnitShapes, memory_plan, trained_shapes
+from ragged.models import MOE_CONFIGS, UnitShapes, memory_plan, plan_expert_parallel, trained_shapes
 
 RESULTS = Path(__file__).parent / "results"
 CLIFF_MODEL = "gpt-oss-120b"
 CLIFF_DEVICES = (64, 128, 256, 1024)
+CLIFF_EP = 8  # ours + expert parallelism: 16 of the 128 experts per EP rank (one 8-GPU node's worth of EP)
 HBM_GIB = 80  # the paper's H800
 COMPUTE_BYTES = 2  # bf16: the all-gather moves the compute dtype
 
@@ -71,17 +72,30 @@ def layer_buffers(unit: UnitShapes, devices: int, granularity: str = "rows:1") -
                       "padding": theirs.padding_ratio}}
 
 
-def cliff(model: str = CLIFF_MODEL, devices: tuple[int, ...] = CLIFF_DEVICES) -> list[dict]:
+def ep_layer_buffer(model: str, devices: int, ep: int, granularity: str = "rows:1") -> int:
+    """The elements one device gathers for ``model``'s MoE layer under EP ``ep``: the layer's unit without
+    its routed experts over ``devices``, and its EP rank's ``E / ep`` experts over ``devices / ep``."""
+    c, unit = MOE_CONFIGS[model], moe_layer(model)
+    rest = UnitShapes(unit.name, tuple((n, s) for n, s in unit.tensors if ".experts." not in n))
+    experts = plan_expert_parallel(c, ep, devices // ep, granularity)[0].local
+    return plan_model([rest], devices, granularity)[0].total_numel + experts.total_numel
+
+
+def cliff(model: str = CLIFF_MODEL, devices: tuple[int, ...] = CLIFF_DEVICES, ep: int = CLIFF_EP
+          ) -> list[dict]:
     """Per device count: one MoE layer's buffers, FSDP2's rows per device of the fused experts, and the
-    per-device memory of a training step (the memory plan's defaults: bf16, AdamW, 2048 tokens) for both."""
+    per-device memory of a training step (the memory plan's defaults: bf16, AdamW, 2048 tokens) for FSDP2,
+    ours and ours with expert parallelism ``ep`` (``ours_ep``)."""
     c, unit = MOE_CONFIGS[model], moe_layer(model)
     rows = []
     for m in devices:
         mem = {kind: memory_plan(model, c, m, sharding=kind) for kind in ("ragged", "fsdp2")}
+        mem["ours_ep"] = memory_plan(model, c, m, ep=ep)
         row = {"devices": m, **layer_buffers(unit, m),
                "fsdp2_expert_rows_per_device": -(-c.n_experts // m),
-               "fsdp2_devices_holding_only_padding": max(0, m - c.n_experts)}
-        for kind, key in (("ragged", "ours"), ("fsdp2", "fsdp2")):
+               "fsdp2_devices_holding_only_padding": max(0, m - c.n_experts),
+               "ours_ep": {"ep": ep, "buffer": ep_layer_buffer(model, m, ep)}}
+        for kind, key in (("ragged", "ours"), ("fsdp2", "fsdp2"), ("ours_ep", "ours_ep")):
             row[key] |= {"unsharded_bytes": mem[kind].unsharded, "memory_bytes": mem[kind].total,
                          "memory_rows": dict(mem[kind].rows()), "fits": mem[kind].total <= HBM_GIB * 2**30}
         rows.append(row)
@@ -96,17 +110,22 @@ def _cliff_markdown(rows: list[dict]) -> str:
     lines = [f"## The 256-GPU cliff: {CLIFF_MODEL}, one MoE layer ({c.n_experts} fused experts, gate_up_proj "
              f"[{c.n_experts}, {c.dim}, {2 * c.expert_dim}]), from the core's planner and memory plan", "",
              "| devices | layer buffer, ours (GiB bf16) | FSDP2 (GiB bf16) | FSDP2 / ours | padding ours | "
-             "padding FSDP2 | FSDP2 expert rows / device | per-device memory ours (GiB) | FSDP2 (GiB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"padding FSDP2 | FSDP2 expert rows / device | per-device memory ours (GiB) | FSDP2 (GiB) | "
+             f"ours + EP {CLIFF_EP}: layer buffer (GiB bf16) | ours + EP {CLIFF_EP}: memory (GiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        o, f = r["ours"], r["fsdp2"]
+        o, f, e = r["ours"], r["fsdp2"], r["ours_ep"]
         lines.append(f"| {r['devices']} | {buf(o)} | {buf(f)} | {f['buffer'] / o['buffer']:.2f} | "
                      f"{o['padding']:.2%} | {f['padding']:.2%} | {r['fsdp2_expert_rows_per_device']} | "
-                     f"{mem(o)} | {mem(f)} |")
+                     f"{mem(o)} | {mem(f)} | {buf(e)} | {mem(e)} |")
     lines += ["", "Memory: `memory_plan` defaults (bf16 compute, fp32 master, AdamW, 1 x 2048 tokens per "
               "device, no activation checkpointing); FSDP2 counted alike with its padded shards and buffers "
               "(`sharding=\"fsdp2\"`). The unsharded term is the largest unit gathered twice (running and "
-              "prefetched) plus its unsharded gradient in bf16 and fp32."]
+              "prefetched) plus its unsharded gradient in bf16 and fp32. Ours + EP: `memory_plan(ep="
+              f"{CLIFF_EP})`, each MoE layer's experts planned per EP rank (`plan_expert_parallel`: "
+              f"{c.n_experts // CLIFF_EP} experts over devices / {CLIFF_EP}); its layer buffer is the "
+              "layer's unit without the experts plus one EP rank's experts, gathered together; its memory "
+              "adds the all-to-all token buffers of one MoE layer."]
     by_m = {r["devices"]: r for r in rows}
     if 128 in by_m and 256 in by_m:
         a, b = by_m[128], by_m[256]
@@ -125,6 +144,12 @@ def _cliff_markdown(rows: list[dict]) -> str:
                   "batch; the doubling of the buffer does not. At 64 and 128 devices FSDP2's even split is "
                   "exact (2 and 1 experts per device) and ours pads 0.01-0.02% more (each tensor contiguous "
                   "in one flat buffer); at 1024 ours pads 5.4% against FSDP2's 87%."]
+        e = b["ours_ep"]
+        lines += ["", f"With expert parallelism ({CLIFF_EP} EP ranks) a device gathers "
+                  f"{c.n_experts // CLIFF_EP} experts of each MoE layer instead of {c.n_experts}: "
+                  f"a layer buffer of {buf(e)} GiB at 256 devices and a per-device total of "
+                  f"{gib(e['memory_bytes'])} GiB, for the same sharded state (the embedding or the "
+                  "head, not a layer, is then the largest unit)."]
     return "\n".join(lines) + "\n"
 
 

@@ -60,3 +60,19 @@ def test_ours_is_near_the_lower_bound_and_below_fsdp2_where_fsdp2_pads(rows):
             assert ours < theirs, m
         else:
             assert ours <= 1.001 * theirs, m
+
+
+def test_ours_with_ep_gathers_one_ep_ranks_experts_and_the_rest_of_the_layer(rows):
+    """Under EP 8 a device gathers the layer without its experts and 16 of the 128 experts: at least their
+    elements and under a fifth of the whole layer's buffer; the largest unit gathered is then that or the
+    head (201088 x 2880 plus the final norm), and the step fits where FSDP2's does not."""
+    from experiments.moe_vs_fsdp2 import CLIFF_EP
+
+    rest = sum(math.prod(s) for s in GPT_OSS_LAYER[:6] + GPT_OSS_LAYER[10:])
+    experts = sum(math.prod(s) for s in GPT_OSS_LAYER[6:10]) // CLIFF_EP
+    head = 201088 * D + D
+    for m in CLIFF_DEVICES:
+        ep = rows[m]["ours_ep"]
+        assert rest + experts <= ep["buffer"] < rows[m]["ours"]["buffer"] / 5, m
+        assert ep["unsharded_bytes"] >= 10 * max(ep["buffer"], head) and ep["fits"], m
+        assert ep["unsharded_bytes"] < rows[m]["ours"]["unsharded_bytes"] / 5, m
