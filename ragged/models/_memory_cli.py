@@ -49,11 +49,12 @@ def plans(args: argparse.Namespace, degrees: list[int]) -> list[MemoryPlan]:
     c, _ = trained_model(args.model)
     out = []
     for tp in degrees:
-        batch = args.gpus if args.batch is None else args.batch
-        dp = args.gpus // tp if args.gpus % tp == 0 else 0
-        if dp == 0 or batch % dp:
-            raise RaggedError(f"--tp {tp}: the global batch of {batch} sequences must split evenly over the "
-                              f"{args.gpus} / {tp} data-parallel ranks")
+        if args.gpus % tp:
+            raise RaggedError(f"--tp {tp} must divide the {args.gpus} devices")
+        batch, dp = args.gpus if args.batch is None else args.batch, args.gpus // tp
+        if batch % dp:
+            raise RaggedError(f"--batch {batch}: the global batch must split evenly over the {dp} "
+                              f"data-parallel ranks of TP {tp}")
         out.append(memory_plan(args.model, c, args.gpus, replicas=args.hsdp, tp=tp, ep=args.ep,
                                granularity=args.granularity, dtype=args.dtype, optimizer=args.optimizer,
                                batch_per_device=batch // dp, seq_len=args.seq_len,

@@ -247,7 +247,9 @@ def test_memory_compares_tp_degrees_at_one_global_batch(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "llama-tiny", "--gpus", "8", "--tp", "3"], "--tp 3: the global batch of 8 sequences"),
+    (["--model", "llama-tiny", "--gpus", "8", "--tp", "3"], "--tp 3 must divide the 8 devices"),
+    (["--model", "llama-tiny", "--gpus", "8", "--batch", "4"],
+     "--batch 4: the global batch must split evenly over the 8 data-parallel ranks of TP 1"),
     (["--model", "llama-tiny", "--gpus", "8", "--tp", "2,x"], "--tp: 'x' is not an int >= 1"),
     (["--model", "llama-tiny", "--gpus", "8", "--tp", "4"], "TP 4 must divide n_kv_heads=2"),
     (["--model", "mixtral-tiny", "--gpus", "6", "--ep", "3"], "ep=3 must divide the 8 experts"),
