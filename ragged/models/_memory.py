@@ -262,18 +262,20 @@ def _expert_parallel_sizes(c: MoeConfig, shapes: ModelShapes, group: int, ep: in
     the layer's unit and its EP rank's experts together (the experts unit nests in the layer's).
     """
     rule = (lambda _, s: tile_granularity(s)) if granularity == "tiles" else granularity
-    experts = {u.name: u for u in plan_expert_parallel(c, ep, group // ep, rule)}
-    routed = [f"{u.name}.feed_forward.experts." for u in shapes.units]
-    rest = ModelShapes(shapes.name, tuple(UnitShapes(u.name, tuple((n, s) for n, s in u.tensors
-                                                                   if not n.startswith(prefix)))
-                                          for u, prefix in zip(shapes.units, routed)))
+    experts = {u.name: u.local for u in plan_expert_parallel(c, ep, group // ep, rule)}
+    rest = ModelShapes(shapes.name, tuple(
+        UnitShapes(u.name, tuple((n, s) for n, s in u.tensors if not n.startswith(f"{_experts_of(u.name)}.")))
+        for u in shapes.units))
     sizes = _unit_sizes(rest, group, granularity)
-    gathered = [total + (experts[f"{u.name}.feed_forward.experts"].local.total_numel
-                         if f"{u.name}.feed_forward.experts" in experts else 0)
+    gathered = [total + (experts[_experts_of(u.name)].total_numel if _experts_of(u.name) in experts else 0)
                 for u, (_, total) in zip(rest.units, sizes)]
-    buffers = sum(t for _, t in sizes) + sum(e.layout.total_numel for e in experts.values())
-    sizes += [(e.local.shard_size, e.local.total_numel) for e in experts.values()]
-    return sizes, max(gathered), buffers
+    buffers = sum(t for _, t in sizes) + ep * sum(e.total_numel for e in experts.values())  # ep copies
+    return sizes + [(e.shard_size, e.total_numel) for e in experts.values()], max(gathered), buffers
+
+
+def _experts_of(layer: str) -> str:
+    """The name ``plan_expert_parallel`` gives the experts unit of decoder layer ``layer``."""
+    return f"{layer}.feed_forward.experts"
 
 
 def _activations(c: ModelConfig, tokens: int, cb: int, tp: int, activation_checkpointing: bool) -> int:
