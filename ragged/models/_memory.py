@@ -147,7 +147,7 @@ class MemoryPlan:
     granularity: str
     dtype: str
     optimizer: str
-    tokens_per_device: int
+    tokens_per_device: int  # the tokens one data-parallel rank trains per step (its TP group shares them)
     activation_checkpointing: bool
     numel: int
     padding_ratio: float
@@ -158,9 +158,9 @@ class MemoryPlan:
     activations: int
     logits: int
     sharding: str = "ragged"
-    tp: int = 1
-    ep: int = 1
-    all_to_all: int = 0
+    tp: int = 1  # tensor-parallel degree: each tensor split over tp devices (llamas)
+    ep: int = 1  # expert-parallel degree: each EP rank of the shard group holds E / ep experts (MoE)
+    all_to_all: int = 0  # bytes of one MoE layer's all-to-all token buffers (EP only)
 
     @property
     def shard_group(self) -> int:
