@@ -132,6 +132,15 @@ def test_load_into_torch_module_and_dtensor(tmp_path):
     assert all(torch.equal(back[k], v) for k, v in want.items())
 
 
+def test_torch_load_names_saved_tensors_the_module_has_no_place_for(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    extra = {**model.state_dict(), "extra.weight": torch.ones(3)}
+    torch_backend.save_neutral_checkpoint(tmp_path / "ck", extra)
+    with pytest.raises(ragged.checkpoint.CheckpointError,
+                       match=r"nothing to load 1 saved tensors into: \['extra.weight'\]"):
+        torch_backend.load_neutral_checkpoint(tmp_path / "ck", model)
+
+
 def test_checkpoint_that_does_not_match_the_layouts_is_named(tmp_path):
     sd = torch_state_dict(torch.float32)
     sd["output.weight"] = sd["output.weight"][:100]

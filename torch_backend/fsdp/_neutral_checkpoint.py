@@ -71,7 +71,8 @@ def save_neutral_checkpoint(path: str | os.PathLike, state: nn.Module | Mapping[
     """
     full = _full_tensors(state)
     if dist.is_initialized():
-        full = _gather_on_rank0(full)
+        if _placed_by_another_dim(state):
+            full = _gather_on_rank0(full)
         if dist.get_rank() != 0:
             return Path(path)
     tensors = {k: _to_stored(v) for k, v in full.items()}
@@ -99,10 +100,15 @@ def _checkpoint_as(param: torch.Tensor | None) -> CheckpointAs | None:
     return getattr(param, "checkpoint_as", None)
 
 
+def _placed_by_another_dim(state: nn.Module | Mapping[str, torch.Tensor]) -> bool:
+    """Whether some parameter carries a ``CheckpointAs`` (expert parallelism): then every rank has such
+    parameters, holds only its own, and saving and loading exchange names (collectives on every rank)."""
+    return isinstance(state, nn.Module) and any(_checkpoint_as(p) for p in state.parameters())
+
+
 def _gather_on_rank0(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``full`` on rank 0, completed with the tensors only other ranks hold (EP ranks' experts), each
-    sent (on CPU) by the lowest rank that holds it; ``{}`` elsewhere. Without EP every rank holds every
-    name and only the names travel."""
+    sent (on CPU) by the lowest rank that holds it; ``{}`` elsewhere."""
     names: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(names, sorted(full))
     rank = dist.get_rank()
@@ -148,7 +154,7 @@ def load_neutral_checkpoint(path: str | os.PathLike,
         if isinstance(target, DTensor):
             v = distribute_tensor(v.to(target.device), target.device_mesh, target.placements)
         sd[k] = v
-    if dist.is_initialized():  # under EP, another rank loads the experts this one does not hold
+    if dist.is_initialized() and _placed_by_another_dim(module):  # other EP ranks load other experts
         everyone: list[set[str]] = [set() for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, used)
         used = set().union(*everyone)
