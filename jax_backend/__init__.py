@@ -6,7 +6,12 @@ one unit at a time, reduce-scatters its gradient and applies optax to the local 
 """
 
 from jax_backend._buffers import LayoutMismatchError, full_params, shard_params
-from jax_backend._checkpoint import load_neutral_checkpoint, load_neutral_params, save_neutral_checkpoint
+from jax_backend._checkpoint import (
+    load_neutral_checkpoint,
+    load_neutral_params,
+    save_neutral_checkpoint,
+    save_neutral_params,
+)
 from jax_backend._compat import make_mesh
 from jax_backend._model import shard_model
 from jax_backend._names import flatten_params
@@ -44,6 +49,7 @@ __all__ = [
     "make_mesh",
     "on_shards",
     "save_neutral_checkpoint",
+    "save_neutral_params",
     "shard_model",
     "shard_optimizer",
     "shard_params",

@@ -48,9 +48,25 @@ def save_neutral_checkpoint(path: str | os.PathLike, buffers: Mapping[str, jax.A
         tp = tensor_parallel
         meta = {**(meta or {}), "tensor_parallel": {"axis": tp.axis, "size": tp.size, "dims": dict(tp.dims)}}
         layouts = ()
+    return save_neutral_params(path, full, layouts=layouts, meta=meta, overwrite=overwrite)
+
+
+def save_neutral_params(path: str | os.PathLike, params: Mapping[str, jax.Array], *,
+                        layouts: Sequence[Layout] = (), meta: Mapping[str, Any] | None = None,
+                        overwrite: bool = False) -> Path:
+    """Write full tensors ``{fqn: array}`` (the inverse of ``load_neutral_params``): for runtimes whose
+    buffers are not one Layout per unit, e.g. expert parallelism, ``save_neutral_params(path,
+    ep.full_params(buffers))``, every expert under its one-process name, loaded back with
+    ``ep.shard_params(load_neutral_params(path))``.
+
+    Every process must call it; only process 0 writes.
+
+    Raises:
+        ragged.checkpoint.CheckpointError: as ``ragged.checkpoint.save_neutral_checkpoint``.
+    """
     if jax.process_count() > 1:  # shards live on other hosts: gather them, every process takes part
-        full = {k: multihost_utils.process_allgather(v, tiled=True) for k, v in full.items()}
-    tensors = {name: np.asarray(jax.device_get(value)) for name, value in full.items()}
+        params = {k: multihost_utils.process_allgather(v, tiled=True) for k, v in params.items()}
+    tensors = {name: np.asarray(jax.device_get(value)) for name, value in params.items()}
     if jax.process_index() != 0:
         return Path(path)
     return ragged.checkpoint.save_neutral_checkpoint(path, tensors, layouts=layouts,

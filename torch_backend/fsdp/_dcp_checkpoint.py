@@ -65,6 +65,13 @@ class CheckpointAs:
             local = t.to_local()
         return make_dtensor(local, self.mesh, (self.outer, *t.placements), self.shape)
 
+    def local_part(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the one-process tensor ``whole`` (full, not sharded): the inverse of ``view``
+        on values, the rows ``outer`` gives this rank's index along ``mesh``'s first dim."""
+        if self.mesh is None:
+            return whole
+        return whole.chunk(self.mesh.size(0), dim=self.outer.dim)[self.mesh.get_local_rank(0)].contiguous()
+
 
 def _saved_as(fqn: str, p: torch.Tensor) -> tuple[str, CheckpointAs | None]:
     how = getattr(p, "checkpoint_as", None)
