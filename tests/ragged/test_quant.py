@@ -11,6 +11,7 @@ import ragged
 import ragged.quant
 from ragged.quant._tiles import (
     TileError,
+    check_split_tiles,
     check_tiles_local,
     local_tile_ids,
     piece_table,
@@ -108,3 +109,43 @@ def test_piece_table_rejects_an_element_layout_that_cuts_a_tile():
     layout = ragged.plan([ragged.TensorSpec("layers.1.wq.weight", (64, 64), "element")], 3)
     with pytest.raises(TileError, match=r"layers\.1\.wq\.weight"):
         piece_table(layout)
+
+
+@pytest.mark.parametrize("tile", [(32, 32), (4, 2)])
+def test_check_split_tiles_refuses_exactly_the_splits_that_cut_a_tile(tile):
+    # Brute force over shapes and splits: the parts' tiles (tile ids of each part) must be the whole
+    # tensor's tiles, each inside one part; the check passes iff they are, and returns the part's shape.
+    rng = np.random.default_rng(0)
+    sizes = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]
+    cases = 0
+    for _ in range(400):
+        ndim = int(rng.integers(1, 4))
+        shape = tuple(int(rng.choice(sizes)) for _ in range(ndim))
+        dim = int(rng.integers(0, ndim))
+        parts = int(rng.choice([d for d in (2, 3, 4) if shape[dim] % d == 0] or [1]))
+        part = shape[:dim] + (shape[dim] // parts,) + shape[dim + 1:]
+        whole_ids = _tile_of_every_element(shape, quant_tile(shape, tile)).reshape(shape)
+        keeps = True
+        for k in range(parts):
+            inside = np.take(whole_ids, range(k * part[dim], (k + 1) * part[dim]), axis=dim).reshape(-1)
+            own = _tile_of_every_element(part, quant_tile(part, tile))
+            pairs = set(zip(own.tolist(), inside.tolist()))
+            keeps &= len(pairs) == len(set(own.tolist())) == len(set(inside.tolist()))  # one-to-one
+            keeps &= np.isin(whole_ids, inside).sum() == inside.size  # no tile reaches outside the part
+        if keeps:
+            assert check_split_tiles(shape, [(dim, parts)], "w", tile) == part
+        else:
+            with pytest.raises(TileError, match=rf"^w: Shard\({dim}\) over {parts} devices cuts"):
+                check_split_tiles(shape, [(dim, parts)], "w", tile)
+        cases += not keeps
+    assert 0 < cases < 400  # both outcomes were seen
+
+
+def test_check_split_tiles_names_the_split_and_the_tile():
+    assert check_split_tiles((64, 64), [(0, 2), (1, 2)]) == (32, 32)
+    with pytest.raises(TileError, match=r"wk: Shard\(0\) over 2 devices cuts the 32x32 .* gets 16 rows"):
+        check_split_tiles((32, 64), [(0, 2)], "wk")
+    with pytest.raises(TileError, match=r"w2: Shard\(1\) over 2 devices cuts the 1x176 .* 88 columns"):
+        check_split_tiles((64, 176), [(1, 2)], "w2")
+    with pytest.raises(ValueError, match="does not split into 2 equal parts"):
+        check_split_tiles((3, 64), [(0, 2)])
