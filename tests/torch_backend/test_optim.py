@@ -8,6 +8,7 @@ Independent references: torch.optim.AdamW, numpy SVD (Newton-Schulz closed form)
 
 from __future__ import annotations
 
+import math
 import threading
 import traceback
 
@@ -160,12 +161,13 @@ MUON_TP_SPECS = (("wide", (32, 96), 1, "rows:1"), ("tall", (80, 16), 0, "rows:1"
                  ("sq", (48, 48), 0, "rows:4"), ("norm", (24,), None, "element"))
 
 
-@pytest.mark.parametrize("fsdp", [True, False], ids=["ragged_dp_x_tp", "tp_only"])
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2,), (2, 2, 2)], ids=["dp_x_tp", "tp_only", "hsdp_x_tp"])
 @pytest.mark.parametrize("optimizer", ["adam8bit", "muon"])
-def test_optimizers_on_tensor_parallel_parts_match_unsharded(optimizer, fsdp):
+def test_optimizers_on_tensor_parallel_parts_match_unsharded(optimizer, mesh_shape):
     """(RaggedShard, Shard(d)) on a (dp 2, tp 2) mesh, as fully_shard after tensor parallelism leaves them
-    (the planner packs the TP parts), and Shard(d) alone on a 2-device TP mesh: 8-bit Adam quantizes the
-    tiles of each TP part (whole tiles of the tensor), Muon gathers each matrix over dp and tp."""
+    (the planner packs the TP parts), Shard(d) alone on a 2-device TP mesh, and HSDP's (Replicate,
+    RaggedShard, Shard(d)) on (replicate 2, dp 2, tp 2): 8-bit Adam quantizes the tiles of each TP part
+    (whole tiles of the tensor), Muon gathers each matrix over dp and tp (each replica its own)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -174,8 +176,7 @@ def test_optimizers_on_tensor_parallel_parts_match_unsharded(optimizer, fsdp):
     want = _train(make_opt, params, grads)
 
     def fn(rank: int, world: int) -> dict:
-        tp_only = not fsdp
-        mesh = init_device_mesh("cpu", (2,) if tp_only else (2, 2))
+        mesh = init_device_mesh("cpu", mesh_shape)
         parts = {n: tuple(x // 2 if d == k else x for k, x in enumerate(s)) if d is not None else s
                  for n, s, d, _ in specs}
         layout = ragged.plan([ragged.TensorSpec(n, parts[n], g) for n, _, _, g in specs], 2)
@@ -183,12 +184,13 @@ def test_optimizers_on_tensor_parallel_parts_match_unsharded(optimizer, fsdp):
         def place(name: str, t: torch.Tensor):
             d = next(d for n, _, d, _ in specs if n == name)
             tp = Shard(d) if d is not None else Replicate()
-            dp = [] if tp_only else [RaggedShard.from_core(layout.placement(name))]
+            ragged_dp = RaggedShard.from_core(layout.placement(name))
+            dp = {1: [], 2: [ragged_dp], 3: [Replicate(), ragged_dp]}[len(mesh_shape)]
             return distribute_tensor(t, mesh, [*dp, tp])
 
         return _train(make_opt, params, grads, place)
 
-    for rank, got in enumerate(run_threads(2 if not fsdp else 4, fn)):
+    for rank, got in enumerate(run_threads(math.prod(mesh_shape), fn)):
         for n in params:  # the same gradients: 8-bit Adam bit for bit; Muon within fp32 tolerance (as above)
             torch.testing.assert_close(got[n], want[n], rtol=1e-5 if optimizer == "muon" else 0,
                                        atol=1e-6 if optimizer == "muon" else 0, msg=f"rank {rank}: {n}")
