@@ -221,6 +221,25 @@ def test_placements_that_cut_tiles_or_hold_no_value_are_rejected_naming_the_para
                    for m in placements), placements
 
 
+def test_muon_refuses_matrices_spread_over_ns_groups_of_different_sizes():
+    # A TP-replicated matrix spreads over dp only (2 devices), a TP-split one over dp x tp (4): NS devices are
+    # balanced over one group size.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def fn(rank: int, world: int) -> str:
+        mesh = init_device_mesh("cpu", (2, 2))
+        rows = RaggedShard((0,), (1, 1))
+        split = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 32), mesh, [rows, Shard(0)]))
+        replicated = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 32), mesh, [rows, Replicate()]))
+        with pytest.raises(ragged.PlacementError) as err:
+            Muon([("split", split), ("replicated", replicated)])
+        return str(err.value)
+
+    for message in run_threads(4, fn):
+        assert message.startswith("Muon: 2-D parameters are spread over NS groups of [2, 4] devices"), message
+
+
 @pytest.mark.parametrize("shape,band", [((96, 64), 32 * 64), ((6, 40), 40), ((7,), 1)])
 def test_to_tiles_follows_the_core_tile_ids(shape, band):
     for start, stop in [(0, 3 * band), (band, 3 * band), (2 * band, 3 * band)]:
