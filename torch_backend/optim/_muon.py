@@ -160,8 +160,12 @@ class Muon(ParamwiseOptimizer):
             )
         world = worlds[0] if worlds else 1
         ns_groups = {key: new_ns_group(*key) for key in keys}  # process groups: every rank, same order
-        self._where = {id(p): (ns, holdings(p, ns, name)) for p, name in zip(matrices, names)
-                       if group_dims(p) and (ns := ns_groups[(p.device_mesh, group_dims(p))])}
+        # id(matrix) -> (its NS group, what each member holds); plain and replicated matrices are absent
+        self._where: dict[int, tuple[NSGroup, ragged.Holdings]] = {}
+        for p, name in zip(matrices, names):
+            if group_dims(p):
+                ns = ns_groups[(p.device_mesh, group_dims(p))]
+                self._where[id(p)] = (ns, holdings(p, ns, name))
         shapes = [tuple(p.shape) for p in matrices]
         # assign_groups checks max_imbalance >= 1, group_load that every g divides its matrix
         groups = ragged.muon.assign_groups(shapes, world, max_imbalance=max_imbalance)

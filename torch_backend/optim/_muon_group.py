@@ -25,7 +25,7 @@ from torch_backend.placement import RaggedShard
 from torch_backend.placement._dtensor import box_offset
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one per (mesh, dims), compared and hashed by identity
 class NSGroup:
     """The devices of one mesh's ``dims`` that hold pieces of a matrix, as one process group."""
 
@@ -50,8 +50,9 @@ def group_dims(p: torch.Tensor) -> tuple[int, ...]:
 def new_ns_group(mesh: DeviceMesh, dims: tuple[int, ...]) -> NSGroup:
     """The NS group over ``dims`` of ``mesh`` that holds this device.
 
-    One mesh dim is the mesh's own group. Several are flattened: ``new_group`` for every slice of the
-    other dims (every rank of the job calls it alike, in the same order), keeping this device's.
+    One mesh dim is the mesh's own group. Several are flattened: every rank of the job learns every
+    rank's slice (one ``all_gather_object``: a sub-mesh, e.g. one pipeline stage's, knows only its own
+    ranks) and calls ``new_group`` for each, in the same order (as ``new_group`` needs), keeping its own.
     """
     me = dist.get_rank()
     coordinate = tuple(mesh.get_coordinate())
@@ -60,10 +61,12 @@ def new_ns_group(mesh: DeviceMesh, dims: tuple[int, ...]) -> NSGroup:
         members = tuple(coordinate[:d] + (i,) + coordinate[d + 1:] for i in range(mesh.size(d)))
         return NSGroup(mesh, dims, mesh.get_group(d), mesh.get_local_rank(d), members)
     others = [d for d in range(mesh.ndim) if d not in dims]
-    slices = mesh.mesh.permute(*others, *dims).reshape(-1, math.prod(mesh.size(d) for d in dims)).tolist()
+    rows = mesh.mesh.permute(*others, *dims).reshape(-1, math.prod(mesh.size(d) for d in dims)).tolist()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, next(tuple(r) for r in rows if me in r))
     mine = None
-    for ranks in slices:
-        group = dist.new_group(ranks)
+    for ranks in sorted(set(every)):
+        group = dist.new_group(list(ranks))
         if me in ranks:
             mine = group
     # every mesh coordinate, row-major as mesh.mesh.flatten(); member k is the one at group rank k
