@@ -91,14 +91,12 @@ def box_intervals(shape: tuple[int, ...], offset: tuple[int, ...], box: tuple[in
     t = cut[-1]
     run = math.prod(box[t:])
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    first, last = start // run, (stop - 1) // run
-    out = []
-    for r in range(first, last + 1):
-        index = np.unravel_index(r, box[:t]) if t else ()
-        base = sum((o + int(i)) * st for o, i, st in zip(offset, index, strides)) + offset[t] * strides[t]
-        lo, hi = max(start, r * run) - r * run, min(stop, (r + 1) * run) - r * run
-        out.append((base + lo, base + hi))
-    return tuple(out)
+    runs = np.arange(start // run, (stop - 1) // run + 1, dtype=np.int64)
+    index = np.unravel_index(runs, box[:t]) if t else ()
+    base = offset[t] * strides[t] + sum((o + i) * st for o, i, st in zip(offset, index, strides))
+    lo = np.maximum(start, runs * run) - runs * run
+    hi = np.minimum(stop, (runs + 1) * run) - runs * run
+    return tuple(zip((base + lo).tolist(), (base + hi).tolist()))
 
 
 def local_numels(holdings: Holdings) -> tuple[int, ...]:
