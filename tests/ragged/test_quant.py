@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ragged
+import ragged.models
 import ragged.quant
 from ragged.quant._tiles import (
     TileError,
@@ -149,3 +150,16 @@ def test_check_split_tiles_names_the_split_and_the_tile():
         check_split_tiles((64, 176), [(1, 2)], "w2")
     with pytest.raises(ValueError, match="does not split into 2 equal parts"):
         check_split_tiles((3, 64), [(0, 2)])
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b"])
+def test_llama3_tp_parts_keep_every_32x32_tile_whole_up_to_tp_8(model):
+    # torchtitan's llama3 plan (torch_backend.models.apply_tensor_parallel): the embedding, wq/wk/wv, w1/w3
+    # and the output split their rows (Shard(0)), wo and w2 their columns (Shard(1)); norms stay whole.
+    rowwise = ("attention.wo.weight", "feed_forward.w2.weight")
+    tensors = [t for unit in ragged.models.model_shapes(model).units for t in unit.tensors]
+    for tp in (2, 4, 8):
+        for name, shape in tensors:
+            if len(shape) == 2:
+                check_split_tiles(shape, [(1 if name.endswith(rowwise) else 0, tp)], name)
+    assert ("layers.0.attention.wk.weight", (1024, 4096 if model == "llama3-8b" else 8192)) in tensors
