@@ -231,15 +231,16 @@ def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, **shar
     return out
 
 
-def structured(kind: str, mesh: DeviceMesh, optimizer: str) -> dict:
-    """8-bit Adam or Muon on ours + TP against the same optimizer on the same model in one process."""
+def structured(kind: str, mesh: DeviceMesh, optimizer: str, dp: tuple[str, ...] = ("dp",)) -> dict:
+    """8-bit Adam or Muon on ours + TP (FSDP on ``mesh[dp]``) against the same optimizer on the same model
+    in one process."""
     import ragged.quant
 
     reference_model = build(kind, None, "reference")
     want, _ = train(reference_model, "reference", opt=structured_optimizer(optimizer, reference_model))
     tiles = {"granularity": lambda name, shape: ragged.quant.tile_granularity(shape, tile=TP_TILE)}
-    model = build(kind, mesh, "ours", **(tiles if optimizer == "adam8bit" else {}))
-    got, _ = train(model, "ours", *dp_position(mesh, ("dp",)), opt=structured_optimizer(optimizer, model))
+    model = build(kind, mesh, "ours", dp, **(tiles if optimizer == "adam8bit" else {}))
+    got, _ = train(model, "ours", *dp_position(mesh, dp), opt=structured_optimizer(optimizer, model))
     params, ref = full_params(model), full_params(reference_model)
     initial = full_params(build(kind, None, "reference"))
     return {"loss": rel(got["losses"], want["losses"]), "norm": rel(got["norms"], want["norms"]),
@@ -372,6 +373,8 @@ def checks(rank: int, world: int, ckpt_dir: str) -> dict:
     return run_cases({
         "llama_hsdp": lambda: composed("llama", mesh, ("replicate", "dp"), reference("llama")),
         "hf_hsdp": lambda: composed("hf", mesh, ("replicate", "dp"), reference("hf")),
+        "llama_hsdp_adam8bit": lambda: structured("llama", mesh, "adam8bit", ("replicate", "dp")),
+        "llama_hsdp_muon": lambda: structured("llama", mesh, "muon", ("replicate", "dp")),
     })
 
 

@@ -35,9 +35,9 @@ BF16_RTOL = 2e-2  # bf16 parameters and activations against the fp32 reference (
 # 8-bit Adam under TP quantizes the whole tensors' tiles (each TP part holds whole tiles), so only the
 # gradients' rounding differs from the reference, as for AdamW; where it moves a moment across a threshold of
 # the codebook one code flips, and that element's step changes by a fraction of lr (test_optim.py's bound:
-# 2e-3 over 5 steps at lr 1e-2, 0.04 lr a step). Measured: 3.4e-5 / 5.7e-5 (llama / HF) absolute, 2.9e-5 /
-# 3.6e-5 relative. The relative bound stays 10x under what another quantization costs: 8x4 tiles against the
-# reference's 8x8 give 2.3e-3 (9.2e-4 absolute).
+# 2e-3 over 5 steps at lr 1e-2, 0.04 lr a step). Measured: 3.4e-5 / 5.7e-5 / 2.2e-5 (llama / HF / llama
+# HSDP) absolute, 2.9e-5 / 3.6e-5 / 2.9e-5 relative. The relative bound stays 10x under what another
+# quantization costs: 8x4 tiles against the reference's 8x8 give 2.3e-3 (9.2e-4 absolute).
 ADAM8BIT_ATOL = W.STEPS * 0.04 * W.LR  # 2e-4
 ADAM8BIT_RTOL = 2e-4
 
@@ -102,11 +102,13 @@ def test_dcp_saved_at_dp2_tp2_loads_at_another_mesh_and_trains_on(run, case, wor
     assert r["loss"] <= LOSS_RTOL and r["after"] <= FP32_RTOL, r  # step 6 against the reference's
 
 
-@pytest.mark.parametrize("kind", ["llama", "hf"])
+@pytest.mark.parametrize("kind, world", [("llama", 4), ("hf", 4), ("llama_hsdp", 8)])
 @pytest.mark.parametrize("optimizer", ["adam8bit", "muon"])
-def test_8bit_adam_and_muon_under_tp_train_like_the_same_optimizer_in_one_process(run, kind, optimizer):
-    # 8-bit Adam with 8x8 tiles (they divide every TP part), Muon gathering each matrix over dp and tp.
-    r = case_results(run(4), f"{kind}_{optimizer}")[0]
+def test_8bit_adam_and_muon_under_tp_train_like_the_same_optimizer_in_one_process(run, kind, world,
+                                                                                  optimizer):
+    # 8-bit Adam with 8x8 tiles (they divide every TP part), Muon gathering each matrix over dp and tp (under
+    # HSDP each replica over its own (dp, tp) slice).
+    r = case_results(run(world), f"{kind}_{optimizer}")[0]
     assert r["loss"] <= LOSS_RTOL and r["norm"] <= FP32_RTOL, r
     if optimizer == "adam8bit":
         assert r["abs"] <= ADAM8BIT_ATOL and r["params"] <= ADAM8BIT_RTOL, r
