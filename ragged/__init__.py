@@ -24,6 +24,7 @@ from ragged._planner import plan
 from ragged._redistribute import (
     Holdings,
     Transfer,
+    box_intervals,
     chunk_sizes,
     ragged_holdings,
     replicate_holdings,
@@ -55,6 +56,7 @@ __all__ = [
     "Holdings",
     "Transfer",
     "transfers",
+    "box_intervals",
     "ragged_holdings",
     "shard_holdings",
     "replicate_holdings",

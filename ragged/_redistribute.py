@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 from ragged._errors import PlacementError
 from ragged._placement import RaggedShard
 
@@ -63,6 +65,38 @@ def shard_holdings(shape: tuple[int, ...], dim: int, world_size: int) -> Holding
 def replicate_holdings(numel: int, world_size: int) -> Holdings:
     """Holdings of ``Replicate``: every device holds the whole tensor."""
     return tuple(((0, numel),) if numel else () for _ in range(world_size))
+
+
+def box_intervals(shape: tuple[int, ...], offset: tuple[int, ...], box: tuple[int, ...],
+                  start: int = 0, stop: int | None = None) -> tuple[Interval, ...]:
+    """The intervals of ``shape``'s flat storage that hold the flat range ``[start, stop)`` of a box.
+
+    The box is the sub-tensor ``t[offset[0]:offset[0] + box[0], ...]`` (a ``Shard`` part of the tensor, as
+    tensor parallelism cuts it), its storage read row-major; ``stop`` defaults to the box's numel. The
+    intervals come in the box's order (which is also ascending), so a device whose local tensor is that
+    range of the box holds them as ``Holdings`` say.
+    """
+    numel = math.prod(box)
+    stop = numel if stop is None else stop
+    if not (len(shape) == len(offset) == len(box) and 0 <= start <= stop <= numel
+            and all(0 <= o and o + b <= s for s, o, b in zip(shape, offset, box))):
+        raise PlacementError(f"box_intervals: [{start}, {stop}) of the box {tuple(box)} at {tuple(offset)} "
+                             f"does not lie in shape {tuple(shape)}")
+    if start == stop:
+        return ()
+    cut = [d for d in range(len(shape)) if box[d] != shape[d]]
+    if not cut:
+        return ((start, stop),)
+    # dims after the last cut one are whole, so the box is runs of prod(box[t:]) contiguous elements
+    t = cut[-1]
+    run = math.prod(box[t:])
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    runs = np.arange(start // run, (stop - 1) // run + 1, dtype=np.int64)
+    index = np.unravel_index(runs, box[:t]) if t else ()
+    base = offset[t] * strides[t] + sum((o + i) * st for o, i, st in zip(offset, index, strides))
+    lo = np.maximum(start, runs * run) - runs * run
+    hi = np.minimum(stop, (runs + 1) * run) - runs * run
+    return tuple(zip((base + lo).tolist(), (base + hi).tolist()))
 
 
 def local_numels(holdings: Holdings) -> tuple[int, ...]:

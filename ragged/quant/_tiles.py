@@ -96,6 +96,43 @@ def check_tiles_local(
             )
 
 
+def check_split_tiles(
+    shape: Shape, splits: Sequence[tuple[int, int]], name: str = "tensor", tile: tuple[int, int] = TILE
+) -> Shape:
+    """Raise ``TileError`` if cutting ``shape`` into equal parts cuts a quantization tile; return one part.
+
+    ``splits`` are ``(dim, parts)`` applied in order, each into ``parts`` equal slices of ``dim``: what
+    tensor parallelism's ``Shard(dim)`` over ``parts`` devices does. A part keeps every tile whole iff
+    (with ``quant_tile(shape) = (R, C)``) a split of the last dim leaves a multiple of ``C`` columns, and a
+    split of an earlier dim ``d`` leaves a multiple of ``R`` rows of the 2-D view in each contiguous run
+    (``prod(part[d:-1])``). Then the part's own tiles (``quant_tile`` of the part's shape) are exactly the
+    whole tensor's tiles inside it, so 8-bit Adam on the parts gives the bits it gives on the whole tensor.
+
+    Raises:
+        TileError: naming the tensor, the split, and the tile it cuts.
+        ValueError: ``parts`` does not divide ``shape[dim]`` (parts of different shapes).
+    """
+    part = tuple(int(s) for s in shape)
+    for dim, parts in splits:
+        if part[dim] % parts:
+            raise ValueError(f"{name}: dim {dim} of shape {part} does not split into {parts} equal parts")
+        whole, part = part, part[:dim] + (part[dim] // parts,) + part[dim + 1:]
+        if parts == 1 or len(whole) < 2:
+            continue  # a vector's tile is one element
+        rows, cols = quant_tile(whole, tile)
+        last = dim == len(whole) - 1
+        kept = part[-1] if last else math.prod(part[dim:-1])
+        unit, what = (cols, "columns") if last else (rows, "rows")
+        if kept % unit:
+            raise TileError(
+                f"{name}: Shard({dim}) over {parts} devices cuts the {rows}x{cols} quantization tiles of "
+                f"shape {whole}: each device gets {kept} {what} of them, not a multiple of {unit}; 8-bit "
+                "Adam needs every tile whole on one device (use a tile that divides each device's part, or "
+                "a tensor-parallel plan that does not split this tensor)"
+            )
+    return part
+
+
 def tile_ids(
     shape: Shape, start: int, stop: int, name: str = "tensor", tile: tuple[int, int] = TILE
 ) -> np.ndarray:

@@ -24,14 +24,17 @@ from tests.experiments._train_launch import LOSS_RTOL, ROOT, TINY, losses, run, 
 STEPS, LR, WD = 5, 3e-3, 0.1
 
 
-def plain_torch_losses(steps: int) -> list[float]:
-    """The reference: one process, no sharding, the run's init (``init_weights(0)``) and batches."""
+def plain_torch_losses(steps: int, optimizer: str = "adamw") -> list[float]:
+    """The reference: one process, no sharding, the run's init (``init_weights(0)``) and batches, with
+    ``torch.optim.AdamW`` or (``optimizer="muon"``) our Muon as the run builds it."""
     from torch_backend.models import Llama, cross_entropy
+    from torch_backend.optim import Muon
 
     torch.manual_seed(0)
     model = Llama(ragged.models.LLAMA_TINY)
     model.init_weights(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = (Muon(model.named_parameters(), lr=LR, weight_decay=WD) if optimizer == "muon" else
+           torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD))
     data = TokenSource(ragged.models.LLAMA_TINY.vocab_size, 32, 8, seed=0)
     out = []
     for step in range(steps):
@@ -65,16 +68,18 @@ def test_torchrun_two_gloo_processes_match_plain_training_and_resume_bit_exactly
                                                                          "step_00000005"]
 
 
-def test_torchrun_tensor_parallel_matches_plain_training(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_torchrun_tensor_parallel_matches_plain_training(tmp_path, optimizer):
     """``--tp 2`` on 4 gloo processes: a (dp 2, tp 2) mesh, torchtitan's plan with sequence parallel, then
     fully_shard on dp; the meta-device init writes each TP rank's part, and every step's loss equals plain
-    single-process training."""
+    single-process training with the same optimizer (Muon gathers each matrix over dp and tp)."""
     args = [*TINY, "--steps", str(STEPS), "--lr", str(LR), "--weight-decay", str(WD), "--tp", "2",
-            "--checkpoint-dir", str(tmp_path / "ckpt")]
+            "--optimizer", optimizer, "--checkpoint-dir", str(tmp_path / "ckpt")]
     result = torchrun(4, args)
     assert result.returncode == 0, result.stderr[-3000:]
     got = losses(tmp_path / "ckpt" / "log.jsonl")
-    np.testing.assert_allclose([got[s] for s in range(STEPS)], plain_torch_losses(STEPS), rtol=LOSS_RTOL)
+    np.testing.assert_allclose([got[s] for s in range(STEPS)], plain_torch_losses(STEPS, optimizer),
+                               rtol=LOSS_RTOL)
 
 
 def test_tp_that_does_not_divide_the_devices_or_the_sequence_is_refused():

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 import ragged
+import ragged.models
 import ragged.quant
 from ragged.quant._tiles import (
     TileError,
+    check_split_tiles,
     check_tiles_local,
     local_tile_ids,
     piece_table,
@@ -108,3 +110,56 @@ def test_piece_table_rejects_an_element_layout_that_cuts_a_tile():
     layout = ragged.plan([ragged.TensorSpec("layers.1.wq.weight", (64, 64), "element")], 3)
     with pytest.raises(TileError, match=r"layers\.1\.wq\.weight"):
         piece_table(layout)
+
+
+@pytest.mark.parametrize("tile", [(32, 32), (4, 2)])
+def test_check_split_tiles_refuses_exactly_the_splits_that_cut_a_tile(tile):
+    # Brute force over shapes and splits: the parts' tiles (tile ids of each part) must be the whole
+    # tensor's tiles, each inside one part; the check passes iff they are, and returns the part's shape.
+    rng = np.random.default_rng(0)
+    sizes = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96]
+    cases = 0
+    for _ in range(400):
+        ndim = int(rng.integers(1, 4))
+        shape = tuple(int(rng.choice(sizes)) for _ in range(ndim))
+        dim = int(rng.integers(0, ndim))
+        parts = int(rng.choice([d for d in (2, 3, 4) if shape[dim] % d == 0] or [1]))
+        part = shape[:dim] + (shape[dim] // parts,) + shape[dim + 1:]
+        whole_ids = _tile_of_every_element(shape, quant_tile(shape, tile)).reshape(shape)
+        keeps = True
+        for k in range(parts):
+            inside = np.take(whole_ids, range(k * part[dim], (k + 1) * part[dim]), axis=dim).reshape(-1)
+            own = _tile_of_every_element(part, quant_tile(part, tile))
+            pairs = set(zip(own.tolist(), inside.tolist()))
+            keeps &= len(pairs) == len(set(own.tolist())) == len(set(inside.tolist()))  # one-to-one
+            keeps &= np.isin(whole_ids, inside).sum() == inside.size  # no tile reaches outside the part
+        if keeps:
+            assert check_split_tiles(shape, [(dim, parts)], "w", tile) == part
+        else:
+            with pytest.raises(TileError, match=rf"^w: Shard\({dim}\) over {parts} devices cuts"):
+                check_split_tiles(shape, [(dim, parts)], "w", tile)
+        cases += not keeps
+    assert 0 < cases < 400  # both outcomes were seen
+
+
+def test_check_split_tiles_names_the_split_and_the_tile():
+    assert check_split_tiles((64, 64), [(0, 2), (1, 2)]) == (32, 32)
+    with pytest.raises(TileError, match=r"wk: Shard\(0\) over 2 devices cuts the 32x32 .* gets 16 rows"):
+        check_split_tiles((32, 64), [(0, 2)], "wk")
+    with pytest.raises(TileError, match=r"w2: Shard\(1\) over 2 devices cuts the 1x176 .* 88 columns"):
+        check_split_tiles((64, 176), [(1, 2)], "w2")
+    with pytest.raises(ValueError, match="does not split into 2 equal parts"):
+        check_split_tiles((3, 64), [(0, 2)])
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b"])
+def test_llama3_tp_parts_keep_every_32x32_tile_whole_up_to_tp_8(model):
+    # torchtitan's llama3 plan (torch_backend.models.apply_tensor_parallel): the embedding, wq/wk/wv, w1/w3
+    # and the output split their rows (Shard(0)), wo and w2 their columns (Shard(1)); norms stay whole.
+    rowwise = ("attention.wo.weight", "feed_forward.w2.weight")
+    tensors = [t for unit in ragged.models.model_shapes(model).units for t in unit.tensors]
+    for tp in (2, 4, 8):
+        for name, shape in tensors:
+            if len(shape) == 2:
+                check_split_tiles(shape, [(1 if name.endswith(rowwise) else 0, tp)], name)
+    assert ("layers.0.attention.wk.weight", (1024, 4096 if model == "llama3-8b" else 8192)) in tensors

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from ragged import (
     PlacementError,
     RaggedShard,
+    box_intervals,
     chunk_sizes,
     ragged_holdings,
     replicate_holdings,
@@ -103,3 +104,21 @@ def test_errors():
         transfers((((0, 2),),), (((0, 4),),))
     with pytest.raises(PlacementError, match=r"Shard\(2\) is out of range for shape \(3, 4\)"):
         shard_holdings((3, 4), 2, 2)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.data())
+def test_box_intervals_are_the_box_range_in_the_whole_storage(data):
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=4)))
+    box = tuple(data.draw(st.integers(0, n)) for n in shape)
+    offset = tuple(data.draw(st.integers(0, n - b)) for n, b in zip(shape, box))
+    numel = math.prod(box)
+    start = data.draw(st.integers(0, numel))
+    stop = data.draw(st.integers(start, numel))
+    full = np.arange(math.prod(shape)).reshape(shape)
+    want = full[tuple(slice(o, o + b) for o, b in zip(offset, box))].reshape(-1)[start:stop]  # brute force
+    got = box_intervals(shape, offset, box, start, stop)
+    np.testing.assert_array_equal(_local(full.reshape(-1), got), want)
+    assert all(a < b for a, b in got) and all(b <= c for (_, b), (c, _) in zip(got, got[1:]))  # sorted
+    with pytest.raises(PlacementError, match="does not lie in shape"):
+        box_intervals(shape, offset, tuple(n + 1 for n in shape), 0, 0)  # larger than the tensor

@@ -5,7 +5,8 @@ Every case applies TP first and FSDP after, torchtitan's order: the project's ll
 ``LlamaForCausalLM`` with the torchtitan-style plan below, on (dp, tp) meshes and on (replicate, dp, tp)
 for HSDP. Each trains STEPS AdamW steps (clipped) on its dp rank's rows; the single-process reference
 trains the same model, data and seed in the worker itself; PyTorch FSDP2 + TP runs the same case as the
-baseline. Results are rank 0's worst relative loss and parameter errors against the reference (the
+baseline. The ``structured`` cases train with 8-bit Adam and Muon instead, against the same optimizer in
+one process. Results are rank 0's worst relative loss and parameter errors against the reference (the
 parameters read back with ``full_tensor()``, the placement's own gather).
 """
 
@@ -29,6 +30,10 @@ from tests.torch_backend._user_model_workers import rel_errors
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # torch's: both take it
 B, T, STEPS = 8, 8, 5  # 8 rows split over dp 1, 2 and 4; T splits over tp 2 (sequence parallel)
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 0
+MUON_LR = 0.02
+# 8-bit Adam's tile for the TP runs: llama-tiny's TP parts (wk: 16 x 64, w2: 64 x 88 of 64 x 176) cut its
+# default 32x32 tiles (that refusal is a case below), and 8x8 tiles divide every part.
+TP_TILE = (8, 8)
 
 
 # ----- models ---------------------------------------------------------------------------------------
@@ -150,7 +155,8 @@ def clip(model: nn.Module, which: str) -> float:
 
 def train(model: nn.Module, which: str, dp_rank: int = 0, dp_size: int = 1, steps: range = range(STEPS),
           opt: torch.optim.Optimizer | None = None) -> tuple[dict, torch.optim.Optimizer]:
-    """AdamW ``steps`` on this dp rank's rows: the mean loss over the batch and the gradient norm of each."""
+    """``steps`` of ``opt`` (default AdamW) on this dp rank's rows: the mean loss over the batch and the
+    gradient norm of each."""
     from torch_backend.models import cross_entropy
 
     opt = opt or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -169,6 +175,15 @@ def train(model: nn.Module, which: str, dp_rank: int = 0, dp_size: int = 1, step
             total /= dist.get_world_size()
         out["losses"].append(float(total))
     return out, opt
+
+
+def structured_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    """8-bit Adam (``TP_TILE`` tiles) or Muon over ``model``'s named parameters."""
+    from torch_backend.optim import Adam8bit, Muon
+
+    if name == "adam8bit":
+        return Adam8bit(model.named_parameters(), lr=LR, weight_decay=WEIGHT_DECAY, tile=TP_TILE)
+    return Muon(model.named_parameters(), lr=MUON_LR, weight_decay=WEIGHT_DECAY, adamw_lr=LR)
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -216,6 +231,23 @@ def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, **shar
     return out
 
 
+def structured(kind: str, mesh: DeviceMesh, optimizer: str, dp: tuple[str, ...] = ("dp",)) -> dict:
+    """8-bit Adam or Muon on ours + TP (FSDP on ``mesh[dp]``) against the same optimizer on the same model
+    in one process."""
+    import ragged.quant
+
+    reference_model = build(kind, None, "reference")
+    want, _ = train(reference_model, "reference", opt=structured_optimizer(optimizer, reference_model))
+    tiles = {"granularity": lambda name, shape: ragged.quant.tile_granularity(shape, tile=TP_TILE)}
+    model = build(kind, mesh, "ours", dp, **(tiles if optimizer == "adam8bit" else {}))
+    got, _ = train(model, "ours", *dp_position(mesh, dp), opt=structured_optimizer(optimizer, model))
+    params, ref = full_params(model), full_params(reference_model)
+    initial = full_params(build(kind, None, "reference"))
+    return {"loss": rel(got["losses"], want["losses"]), "norm": rel(got["norms"], want["norms"]),
+            "params": rel_errors(params, ref), "moved": rel_errors(ref, initial),
+            "abs": max(float((params[n] - ref[n]).abs().max()) for n in ref)}
+
+
 def redistributed(mesh: DeviceMesh) -> dict:
     """Our sharded parameters redistributed to Replicate everywhere and to their TP placement alone (the
     unsharded TP form) hold the reference's initial values: the worst absolute difference of each."""
@@ -237,8 +269,9 @@ def redistributed(mesh: DeviceMesh) -> dict:
 def refusals(mesh: DeviceMesh) -> dict[str, str]:
     """What fully_shard and the structure-aware optimizers refuse of TP DTensors, each on every rank
     before any collective."""
+    import ragged.quant
     from torch_backend import fully_shard
-    from torch_backend.optim import Adam8bit, Muon
+    from torch_backend.optim import Adam8bit
 
     def attempt(weight: DTensor, dp_mesh: DeviceMesh = mesh["dp"]) -> str:
         layer = nn.Linear(4, 4, bias=False)
@@ -249,17 +282,18 @@ def refusals(mesh: DeviceMesh) -> dict[str, str]:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
-    def optimizer(cls: type) -> str:
+    def adam8bit_32x32() -> str:  # llama-tiny's wk (32 x 64, colwise): 16 rows per TP rank
+        tiles = ragged.quant.tile_granularity
+        model = build("llama", mesh, "ours", granularity=lambda _, shape: tiles(shape))
         try:
-            cls(build("llama", mesh, "ours").named_parameters(), lr=LR)
+            Adam8bit(model.named_parameters(), lr=LR)
         except Exception as e:  # noqa: BLE001
             return f"{type(e).__name__}: {e}"
         return "no error"
 
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     return {
-        "adam8bit": optimizer(Adam8bit),  # its tiles and Muon's matrices are whole only on the dp dim
-        "muon": optimizer(Muon),
+        "adam8bit": adam8bit_32x32(),
         "partial": attempt(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()])),
         "uneven": attempt(distribute_tensor(torch.ones(3, 4), mesh["tp"], [Shard(0)])),
         "other_mesh": attempt(distribute_tensor(torch.ones(4, 4), other["b"], [Shard(0)])),
@@ -325,6 +359,10 @@ def checks(rank: int, world: int, ckpt_dir: str) -> dict:
             "llama": lambda: composed("llama", mesh, ("dp",), reference("llama")),
             "hf": lambda: composed("hf", mesh, ("dp",), reference("hf")),
             "llama_bf16": lambda: composed("llama", mesh, ("dp",), reference("llama"), mp_policy=BF16),
+            "llama_adam8bit": lambda: structured("llama", mesh, "adam8bit"),
+            "llama_muon": lambda: structured("llama", mesh, "muon"),
+            "hf_adam8bit": lambda: structured("hf", mesh, "adam8bit"),
+            "hf_muon": lambda: structured("hf", mesh, "muon"),
             "redistribute": lambda: redistributed(mesh),
             "refusals": lambda: refusals(mesh),
             "dcp_save": lambda: dcp_save(mesh, ckpt_dir),
@@ -335,6 +373,8 @@ def checks(rank: int, world: int, ckpt_dir: str) -> dict:
     return run_cases({
         "llama_hsdp": lambda: composed("llama", mesh, ("replicate", "dp"), reference("llama")),
         "hf_hsdp": lambda: composed("hf", mesh, ("replicate", "dp"), reference("hf")),
+        "llama_hsdp_adam8bit": lambda: structured("llama", mesh, "adam8bit", ("replicate", "dp")),
+        "llama_hsdp_muon": lambda: structured("llama", mesh, "muon", ("replicate", "dp")),
     })
 
 

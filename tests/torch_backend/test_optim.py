@@ -8,6 +8,7 @@ Independent references: torch.optim.AdamW, numpy SVD (Newton-Schulz closed form)
 
 from __future__ import annotations
 
+import math
 import threading
 import traceback
 
@@ -152,22 +153,91 @@ def test_adam8bit_rejects_a_layout_that_cuts_tiles_on_every_rank():
         assert "layers.0.attention.wq.weight" in msg and "tiles:32x32" in msg
 
 
-def test_placements_that_can_cut_tiles_are_rejected_naming_the_parameter():
+# name, shape, tensor-parallel split (the dim a Shard cuts, None: Replicate), granularity of the TP part
+ADAM_TP_SPECS = (("wq", (64, 64), 0, "tiles:32x32"), ("wo", (64, 64), 1, "tiles:32x32"),
+                 ("w1", (80, 8), 0, "rows:1"), ("norm", (64,), None, "element"),
+                 ("emb", (96, 64), None, "tiles:32x32"))
+MUON_TP_SPECS = (("wide", (32, 96), 1, "rows:1"), ("tall", (80, 16), 0, "rows:1"),
+                 ("sq", (48, 48), 0, "rows:4"), ("norm", (24,), None, "element"))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2,), (2, 2, 2)], ids=["dp_x_tp", "tp_only", "hsdp_x_tp"])
+@pytest.mark.parametrize("optimizer", ["adam8bit", "muon"])
+def test_optimizers_on_tensor_parallel_parts_match_unsharded(optimizer, mesh_shape):
+    """(RaggedShard, Shard(d)) on a (dp 2, tp 2) mesh, as fully_shard after tensor parallelism leaves them
+    (the planner packs the TP parts), Shard(d) alone on a 2-device TP mesh, and HSDP's (Replicate,
+    RaggedShard, Shard(d)) on (replicate 2, dp 2, tp 2): 8-bit Adam quantizes the tiles of each TP part
+    (whole tiles of the tensor), Muon gathers each matrix over dp and tp (each replica its own)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    specs, make_opt = {"adam8bit": (ADAM_TP_SPECS, _adam8bit), "muon": (MUON_TP_SPECS, _muon)}[optimizer]
+    params, grads = _fulls([(n, s, g) for n, s, _, g in specs], seed=5, steps=3)
+    want = _train(make_opt, params, grads)
+
+    def fn(rank: int, world: int) -> dict:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        parts = {n: tuple(x // 2 if d == k else x for k, x in enumerate(s)) if d is not None else s
+                 for n, s, d, _ in specs}
+        layout = ragged.plan([ragged.TensorSpec(n, parts[n], g) for n, _, _, g in specs], 2)
+
+        def place(name: str, t: torch.Tensor):
+            d = next(d for n, _, d, _ in specs if n == name)
+            tp = Shard(d) if d is not None else Replicate()
+            ragged_dp = RaggedShard.from_core(layout.placement(name))
+            dp = {1: [], 2: [ragged_dp], 3: [Replicate(), ragged_dp]}[len(mesh_shape)]
+            return distribute_tensor(t, mesh, [*dp, tp])
+
+        return _train(make_opt, params, grads, place)
+
+    for rank, got in enumerate(run_threads(math.prod(mesh_shape), fn)):
+        for n in params:  # the same gradients: 8-bit Adam bit for bit; Muon within fp32 tolerance (as above)
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5 if optimizer == "muon" else 0,
+                                       atol=1e-6 if optimizer == "muon" else 0, msg=f"rank {rank}: {n}")
+
+
+def test_placements_that_cut_tiles_or_hold_no_value_are_rejected_naming_the_parameter():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    name = "layers.3.feed_forward.w2.weight"
 
     def fn(rank: int, world: int) -> list[str]:
         mesh = init_device_mesh("cpu", (world,))
-        p = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 32), mesh, [Shard(0)]))
-        messages = []
+        columns = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 32), mesh, [Shard(1)]))
+        with pytest.raises(ragged.quant.TileError) as err:  # 16 columns of each 32x32 tile per device
+            Adam8bit([(name, columns)])
+        messages = [str(err.value)]
+        partial = torch.nn.Parameter(DTensor.from_local(torch.zeros(64, 32), mesh, [Partial()]))
         for make in (Adam8bit, Muon):
             with pytest.raises(ragged.PlacementError) as err:
-                make([("layers.3.feed_forward.w2.weight", p)])
+                make([(name, partial)])
             messages.append(str(err.value))
         return messages
 
-    for messages in run_threads(2, fn):
-        assert all("layers.3.feed_forward.w2.weight" in m and "RaggedShard" in m for m in messages), messages
+    for tile, *placements in run_threads(2, fn):
+        assert tile.startswith(f"{name}: Shard(1) over 2 devices cuts the 32x32"), tile
+        assert all(m.startswith(f"{name}: placements") and "Partial" in m
+                   for m in placements), placements
+
+
+def test_muon_refuses_matrices_spread_over_ns_groups_of_different_sizes():
+    # A TP-replicated matrix spreads over dp only (2 devices), a TP-split one over dp x tp (4): NS devices are
+    # balanced over one group size.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def fn(rank: int, world: int) -> str:
+        mesh = init_device_mesh("cpu", (2, 2))
+        rows = RaggedShard((0,), (1, 1))
+        split = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 32), mesh, [rows, Shard(0)]))
+        replicated = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 32), mesh, [rows, Replicate()]))
+        with pytest.raises(ragged.PlacementError) as err:
+            Muon([("split", split), ("replicated", replicated)])
+        return str(err.value)
+
+    for message in run_threads(4, fn):
+        assert message.startswith("Muon: 2-D parameters are spread over NS groups of [2, 4] devices"), message
 
 
 @pytest.mark.parametrize("shape,band", [((96, 64), 32 * 64), ((6, 40), 40), ((7,), 1)])

@@ -32,7 +32,7 @@ import torch
 import ragged
 import ragged.quant
 from ragged.quant.codebook import BUCKET_SHIFT, SIGNED, UNSIGNED
-from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
+from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params, shard_splits
 
 Tile = tuple[int, int]
 _ZERO_M, _ZERO_V = int(SIGNED.values.searchsorted(0.0)), 0  # the codes of 0
@@ -186,9 +186,12 @@ class Adam8bit(ParamwiseOptimizer):
     """AdamW with 8-bit state quantized per 32x32 tile, each tile on one device.
 
     Works on plain tensors and on RaggedShard DTensors (``fully_shard`` with granularity
-    ``tiles:32x32``, ``distribute_tensor(full, mesh, [layout.placement(fqn)])``). Every local tile is
-    quantized on its own device, so the sharded optimizer gives the same bits as the unsharded one.
-    Weight decay is decoupled (``p -= lr * weight_decay * p``), as in ``torch.optim.AdamW``.
+    ``tiles:32x32``, ``distribute_tensor(full, mesh, [layout.placement(fqn)])``), tensor-parallel ones
+    included (``Shard(dim)`` mesh dims whose split keeps the tiles whole,
+    ``ragged.quant.check_split_tiles``: each device then quantizes tiles of its TP part, which are tiles
+    of the whole tensor). Every local tile is quantized on its own device, so the sharded optimizer gives
+    the same bits as the unsharded one. Weight decay is decoupled (``p -= lr * weight_decay * p``), as in
+    ``torch.optim.AdamW``.
 
     Args:
         params: parameters or ``named_parameters()`` (names appear in errors).
@@ -197,7 +200,9 @@ class Adam8bit(ParamwiseOptimizer):
 
     Raises:
         ragged.quant.TileError: a placement that cuts a quantization tile (e.g. an element-granularity layout
-            of a matrix), raised at construction on every rank, naming the parameter.
+            of a matrix, or a tensor-parallel split that leaves 16 rows of a 32x32-tiled matrix), raised at
+            construction on every rank, naming the parameter (and the split).
+        ragged.PlacementError: a placement other than RaggedShard / Shard / Replicate, or an uneven Shard.
 
     Example:
         >>> opt = Adam8bit(model.named_parameters(), lr=1e-3, weight_decay=0.1)
@@ -207,14 +212,14 @@ class Adam8bit(ParamwiseOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, tile: Tile = ragged.quant.TILE) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, tile=tile))
         for p, name, group in named_params(self):
-            _, ranges = local_slice(p, name)
-            ragged.quant.check_tiles_local(tuple(p.shape), ranges, name, group["tile"])
+            ragged.quant.check_split_tiles(tuple(p.shape), shard_splits(p, name), name, group["tile"])
+            where = local_slice(p, name)
+            ragged.quant.check_tiles_local(where.box, where.ranges, name, group["tile"])
 
     def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
-        shape, tile = tuple(p.shape), group["tile"]
-        local, _ = local_slice(p, name)
-        grad, _ = local_slice(p.grad, name + ".grad")
-        tiles = to_tiles(grad, shape, tile)
+        tile = group["tile"]
+        local, box, _ = local_slice(p, name)
+        tiles = to_tiles(local_slice(p.grad, name + ".grad").flat, box, tile)
         state = self.state[p]  # plain tensors under Adam8bitState's field names, so state_dict round-trips
         if not state:
             state.update(step=0, **init_state(tiles.shape[0], tiles.shape[1], local.device)._asdict())
@@ -223,4 +228,4 @@ class Adam8bit(ParamwiseOptimizer):
         direction, new = adam8bit_direction(tiles, current, state["step"], group["betas"], group["eps"])
         state.update(new._asdict())
         local.mul_(1 - group["lr"] * group["weight_decay"])
-        local.add_(from_tiles(direction, shape, tile).to(local.dtype), alpha=-group["lr"])
+        local.add_(from_tiles(direction, box, tile).to(local.dtype), alpha=-group["lr"])

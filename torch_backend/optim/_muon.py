@@ -5,13 +5,16 @@ For each 2-D parameter: the momentum update runs on the local piece; the (Nester
 matrix's NS device (the other devices hold nothing and skip it), and the result goes back to the
 parameter's placement (a scatter) and is applied. NS devices are chosen once by the core's load
 balancing (``ragged.muon.assign_ns_devices`` over ``ragged.muon.newton_schulz_flops``), the same way on
-every device. With ``max_imbalance`` (max / mean FLOPs per device; opt-in) the matrices that stop it
+every device. With tensor parallelism a matrix is spread over the ragged mesh dim *and* its ``Shard``
+(TP) mesh dims: its NS device is one device of all of them together (its NS group, ``_muon_group``),
+so the gather brings every TP part too and the NS devices are balanced over ``dp * tp`` devices. With
+``max_imbalance`` (max / mean FLOPs per device; opt-in) the matrices that stop it
 are *split* (``ragged.muon.assign_groups``): a group of ``g`` devices each gets ``rows / g`` rows
 (``_muon_split``) and runs ``1/g`` of its Newton-Schulz, talking over a torch sub-group of the members.
 Plain tensors (single process) and replicated DTensors run Newton-Schulz locally.
 
 Two schedules give the same bits. Sequential (``overlap=False``): each matrix is gathered,
-orthogonalized and scattered in turn (two ``DTensor.redistribute`` calls). Overlapped (default): the
+orthogonalized and scattered in turn (a bucket of one matrix: two ``all_to_all``). Overlapped (default): the
 matrices go in the core's NS-device buckets (``ragged.muon.ns_device_buckets``: the ``j``-th matrix of
 every NS device), each bucket's gathers are one asynchronous ``all_to_all`` (the core's plan over the
 concatenated holdings, ``ragged.muon.bucket_holdings``), and so are its scatters; while a device
@@ -35,14 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import ragged
 import ragged.muon
 from torch_backend.optim._adam8bit import adam_direction
+from torch_backend.optim._muon_group import NSGroup, group_dims, holdings, new_ns_group
 from torch_backend.optim._muon_split import new_subgroups, split_newton_schulz, split_placement
 from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
-from torch_backend.placement import RaggedShard, make_dtensor, ragged_mesh_dim, start_all_to_all
+from torch_backend.placement import start_all_to_all
 
 Finish = Callable[[], torch.Tensor]  # waits for an issued exchange and returns what arrived
 
@@ -68,46 +71,22 @@ def newton_schulz(g: torch.Tensor, steps: int = ragged.muon.NS_STEPS, eps: float
     return (x.T if tall else x).float()
 
 
-def orthogonalize(update: torch.Tensor, p: torch.Tensor, ns_device: int,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Newton-Schulz of the whole matrix ``p`` from the local flat slice ``update``; returns the local slice.
-
-    A RaggedShard DTensor goes to ``ns_device`` and back (two redistributions); anything else is whole here.
-    """
-    if _ragged_dim(p) is None:
-        return newton_schulz(update.view(p.shape), dtype=dtype).reshape(-1)
-    mesh, placements = p.device_mesh, p.placements
-    on_ns_device = list(placements)
-    on_ns_device[_ragged_dim(p)] = RaggedShard.whole_on(ns_device, mesh.size(_ragged_dim(p)))
-    # run_check=False: both locals are cut from the layout here, so skip from_local's size all_gather.
-    sharded = make_dtensor(update, mesh, placements, p.shape)
-    whole = sharded.redistribute(mesh, on_ns_device).to_local()  # the full matrix there, empty elsewhere
-    if whole.numel():
-        whole = newton_schulz(whole.view(p.shape), dtype=dtype).reshape(-1)
-    back = make_dtensor(whole, mesh, on_ns_device, p.shape)
-    return back.redistribute(mesh, placements).to_local()
-
-
 class _Bucket:
-    """Matrices on one mesh dim moved together: the core's plan from their local slices (concatenated) to
+    """Matrices of one NS group moved together: the core's plan from their local slices (concatenated) to
     their ``targets`` (an NS-device bucket: ``whole_on(ns_device)`` each; the split bucket: a group's row
-    blocks each)
-    and the plan back."""
+    blocks each), and the plan back."""
 
-    def __init__(self, params: list[torch.Tensor], targets: list[ragged.RaggedShard]) -> None:
-        dim = _ragged_dim(params[0])
-        mesh = params[0].device_mesh
-        self.group, self.rank, self.world = mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim)
-        shapes = [tuple(q.shape) for q in params]
-        placements = [q.placements[dim].core for q in params]
+    def __init__(self, ns: NSGroup, local: list[ragged.Holdings], targets: list[ragged.RaggedShard],
+                 shapes: list[tuple[int, ...]]) -> None:
+        self.group, self.rank, self.world = ns.group, ns.rank, ns.world
         numels = [math.prod(s) for s in shapes]
-        local = ragged.muon.bucket_holdings(
-            [ragged.ragged_holdings(q, s) for q, s in zip(placements, shapes)], numels)
-        held = ragged.muon.bucket_holdings(
-            [ragged.ragged_holdings(t, s) for t, s in zip(targets, shapes)], numels)
-        self.gather_plan, self.scatter_plan = ragged.transfers(local, held), ragged.transfers(held, local)
-        self.local_numels = [q.local_numel(s, self.rank) for q, s in zip(placements, shapes)]
-        self.held_numels = [t.local_numel(s, self.rank) for t, s in zip(targets, shapes)]
+        held = [ragged.ragged_holdings(t, s) for t, s in zip(targets, shapes)]
+        local_all = ragged.muon.bucket_holdings(local, numels)
+        held_all = ragged.muon.bucket_holdings(held, numels)
+        self.gather_plan = ragged.transfers(local_all, held_all)
+        self.scatter_plan = ragged.transfers(held_all, local_all)
+        self.local_numels = [sum(b - a for a, b in h[self.rank]) for h in local]
+        self.held_numels = [sum(b - a for a, b in h[self.rank]) for h in held]
         # an NS-device bucket holds at most one matrix per device: the one this device orthogonalizes
         self.mine = next((k for k, n in enumerate(self.held_numels) if n), None)
 
@@ -146,8 +125,8 @@ class Muon(ParamwiseOptimizer):
             opt-in, as in JAX's ``muon_plan``.
 
     Raises:
-        ragged.PlacementError: a DTensor placement other than RaggedShard / Replicate, or matrices sharded
-            over mesh dims of different sizes.
+        ragged.PlacementError: a DTensor placement other than RaggedShard / Shard / Replicate, an uneven
+            Shard, or matrices spread over NS groups of different sizes.
         ValueError: ``in_flight < 1`` or ``max_imbalance < 1``.
 
     Example:
@@ -170,13 +149,23 @@ class Muon(ParamwiseOptimizer):
             if p.ndim == 2:
                 matrices.append(p)
                 names.append(name)
-        worlds = sorted({_ragged_world(p) for p in matrices} - {1})
+        # the meshes and sharded mesh dims (RaggedShard, Shard) of the matrices, in parameter order
+        keys = list(dict.fromkeys((p.device_mesh, group_dims(p)) for p in matrices if group_dims(p)))
+        worlds = sorted({math.prod(mesh.size(d) for d in dims) for mesh, dims in keys})
         if len(worlds) > 1:
             raise ragged.PlacementError(
-                f"Muon: 2-D parameters are ragged-sharded over meshes of {worlds} devices; NS devices are "
-                "balanced over one mesh dim, use one sharding mesh size (or one optimizer per mesh)"
+                f"Muon: 2-D parameters are spread over NS groups of {worlds} devices (their RaggedShard and "
+                "Shard mesh dims); NS devices are balanced over one group size, so shard every matrix over "
+                "the same mesh dims (or use one optimizer per mesh)"
             )
         world = worlds[0] if worlds else 1
+        ns_groups = {key: new_ns_group(*key) for key in keys}  # process groups: every rank, same order
+        # id(matrix) -> (its NS group, what each member holds); plain and replicated matrices are absent
+        self._where: dict[int, tuple[NSGroup, ragged.Holdings]] = {}
+        for p, name in zip(matrices, names):
+            if group_dims(p):
+                ns = ns_groups[(p.device_mesh, group_dims(p))]
+                self._where[id(p)] = (ns, holdings(p, ns, name))
         shapes = [tuple(p.shape) for p in matrices]
         # assign_groups checks max_imbalance >= 1, group_load that every g divides its matrix
         groups = ragged.muon.assign_groups(shapes, world, max_imbalance=max_imbalance)
@@ -188,9 +177,10 @@ class Muon(ParamwiseOptimizer):
         self._matrices: list[tuple[torch.Tensor, dict, torch.Tensor]] = []  # (param, group, update) of a step
 
     def ns_devices(self, p: torch.Tensor) -> tuple[int, ...]:
-        """The devices (indices on the sharding mesh dim) that run 2-D parameter ``p``'s Newton-Schulz: its
-        NS device, or the group it is split over. (Plain and replicated tensors run it whole on every
-        device.)"""
+        """The devices that run 2-D parameter ``p``'s Newton-Schulz: its NS device, or the group it is split
+        over, as member indices of its NS group (the sharding mesh dim, flattened with the tensor-parallel
+        ones: ``dp_index * tp + tp_index`` on a (dp, tp) mesh). (Plain and replicated tensors run it whole
+        on every device.)"""
         return self._groups[id(p)]
 
     def ns_device(self, p: torch.Tensor) -> int:
@@ -206,23 +196,23 @@ class Muon(ParamwiseOptimizer):
         return devices[0]
 
     def newton_schulz_load(self) -> np.ndarray:
-        """Newton-Schulz matmul FLOPs each device of the sharding mesh dim runs per step (int64, one entry per
-        device): ``ragged.muon.group_load`` of this optimizer's assignment, each member of a group of ``g``
+        """Newton-Schulz matmul FLOPs each member of the NS group runs per step (int64, one entry per
+        member): ``ragged.muon.group_load`` of this optimizer's assignment, each member of a group of ``g``
         running ``1/g`` of its matrix. ``max / mean`` is the step's load imbalance."""
         return self._load.copy()
 
     def _new_subgroups(self, matrices: list[torch.Tensor], names: list[str],
                        world: int) -> dict[tuple, dist.ProcessGroup]:
         """Check every split matrix, then create the process groups of its devices (``new_subgroups``),
-        keyed by ``(mesh, mesh dim, devices)``: once, in parameter order, the same on every device."""
-        split: dict[tuple, list[tuple[int, ...]]] = {}
+        keyed by ``(NS group, devices)``: once, in parameter order, the same on every device."""
+        split: dict[NSGroup, list[tuple[int, ...]]] = {}
         for p, name in zip(matrices, names):
             devices = self.ns_devices(p)
-            if len(devices) > 1 and _ragged_dim(p) is not None:
+            if len(devices) > 1 and id(p) in self._where:
                 split_placement(devices, world).validate(tuple(p.shape), name, world)
-                split.setdefault((p.device_mesh, _ragged_dim(p)), []).append(devices)
-        return {(mesh, dim, devices): pg for (mesh, dim), groups in split.items()
-                for devices, pg in new_subgroups(groups, mesh.get_group(dim)).items()}
+                split.setdefault(self._where[id(p)][0], []).append(devices)
+        return {(ns, devices): pg for ns, groups in split.items()
+                for devices, pg in new_subgroups(groups, ns.group).items()}
 
     def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
         if p.ndim == 2:  # orthogonalized in _finish_step, all matrices together
@@ -234,28 +224,27 @@ class Muon(ParamwiseOptimizer):
         matrices, self._matrices = self._matrices, []
         whole, split = [], []
         for p, group, update in matrices:
-            if _ragged_dim(p) is None:  # plain or replicated: whole on this device
+            if id(p) not in self._where:  # plain or replicated: whole on this device
                 self._apply(p, group, newton_schulz(update.view(p.shape), dtype=self.ns_dtype).reshape(-1))
             else:
                 (whole if len(self.ns_devices(p)) == 1 else split).append((p, group, update))
-        if self.overlap:
-            for items in _by_mesh_dim(whole):
+        for items in self._by_ns_group(whole):
+            if self.overlap:
                 self._overlapped(items)
-        else:
-            for p, group, update in whole:
-                self._apply(p, group, orthogonalize(update, p, self.ns_device(p), self.ns_dtype))
-        for items in _by_mesh_dim(split):
+            else:  # one bucket per matrix: the same exchanges and Newton-Schulz, one matrix after another
+                for item in items:
+                    self._overlapped([item])
+        for items in self._by_ns_group(split):
             self._split(items)
 
     def _overlapped(self, items: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> None:
-        """Bucketed gathers, Newton-Schulz and scatters of matrices on one mesh dim, ``in_flight`` ahead."""
+        """Bucketed gathers, Newton-Schulz and scatters of matrices of one NS group, ``in_flight`` ahead."""
         key = tuple(id(p) for p, _, _ in items)
         if key not in self._buckets:
             order = ragged.muon.ns_device_buckets([self.ns_device(p) for p, _, _ in items])
-            world = _ragged_world(items[0][0])
             self._buckets[key] = [
-                (_Bucket([items[k][0] for k in b],
-                         [ragged.RaggedShard.whole_on(self.ns_device(items[k][0]), world) for k in b]), b)
+                (self._bucket([items[k][0] for k in b],
+                              lambda p, world: ragged.RaggedShard.whole_on(self.ns_device(p), world)), b)
                 for b in order]
         buckets = self._buckets[key]
         stream = self._stream(items[0][2].device)
@@ -287,24 +276,37 @@ class Muon(ParamwiseOptimizer):
             finish_scatter()
 
     def _split(self, items: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> None:
-        """Split Newton-Schulz of matrices on one mesh dim: one gather of all of them to their groups' row
+        """Split Newton-Schulz of matrices of one NS group: one gather of all of them to their groups' row
         blocks, each member's ``split_newton_schulz`` in parameter order (the same order on every device, so
         no two groups wait on each other in a cycle), one scatter back. Not overlapped."""
         key = ("split", *(id(p) for p, _, _ in items))
         if key not in self._buckets:
-            world = _ragged_world(items[0][0])
-            self._buckets[key] = _Bucket([p for p, _, _ in items],
-                                         [split_placement(self.ns_devices(p), world) for p, _, _ in items])
+            self._buckets[key] = self._bucket([p for p, _, _ in items],
+                                              lambda p, world: split_placement(self.ns_devices(p), world))
         bucket = self._buckets[key]
         held = bucket.gather([update for _, _, update in items], None)().split(bucket.held_numels)
         done = []
         for (p, _, _), rows in zip(items, held):
             if rows.numel():  # a member of p's group
-                pg = self._subgroups[(p.device_mesh, _ragged_dim(p), self.ns_devices(p))]
+                pg = self._subgroups[(self._where[id(p)][0], self.ns_devices(p))]
                 rows = split_newton_schulz(rows, tuple(p.shape), pg, dtype=self.ns_dtype)
             done.append(rows)
         for (p, group, _), ortho in zip(items, bucket.scatter(torch.cat(done), None)()):
             self._apply(p, group, ortho)
+
+    def _bucket(self, params: list[torch.Tensor],
+                target: Callable[[torch.Tensor, int], ragged.RaggedShard]) -> _Bucket:
+        """The exchanges of ``params`` (one NS group) between their pieces and ``target(p, world)``."""
+        ns = self._where[id(params[0])][0]
+        return _Bucket(ns, [self._where[id(p)][1] for p in params], [target(p, ns.world) for p in params],
+                       [tuple(p.shape) for p in params])
+
+    def _by_ns_group(self, items: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> list[list]:
+        """``(param, group, update)`` items grouped by their NS group, in order."""
+        out: dict[NSGroup, list] = {}
+        for item in items:
+            out.setdefault(self._where[id(item[0])][0], []).append(item)
+        return list(out.values())
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The side stream of ``device`` for Muon's exchanges (``None`` on CPU)."""
@@ -316,7 +318,7 @@ class Muon(ParamwiseOptimizer):
 
     def _momentum(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> torch.Tensor:
         """Update the momentum of ``p``'s local slice; return the (Nesterov) direction to orthogonalize."""
-        grad, _ = local_slice(p.grad, name + ".grad")
+        grad = local_slice(p.grad, name + ".grad").flat
         state = self.state[p]
         if not state:
             state["momentum"] = torch.zeros_like(grad, dtype=torch.float32)
@@ -325,13 +327,13 @@ class Muon(ParamwiseOptimizer):
         return torch.lerp(grad.float(), buf, mu) if group["nesterov"] else buf.clone()
 
     def _apply(self, p: torch.Tensor, group: dict[str, Any], ortho: torch.Tensor) -> None:
-        local, _ = local_slice(p, "param")
+        local = local_slice(p, "param").flat
         local.mul_(1 - group["lr"] * group["weight_decay"])
         local.add_(ortho.to(local.dtype), alpha=-group["lr"] * ragged.muon.muon_scale(tuple(p.shape)))
 
     def _adamw(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
-        local, _ = local_slice(p, name)
-        grad, _ = local_slice(p.grad, name + ".grad")
+        local = local_slice(p, name).flat
+        grad = local_slice(p.grad, name + ".grad").flat
         state = self.state[p]
         if not state:
             state.update(step=0, exp_avg=torch.zeros_like(local, dtype=torch.float32),
@@ -342,21 +344,3 @@ class Muon(ParamwiseOptimizer):
         local.mul_(1 - group["adamw_lr"] * group["weight_decay"])
         local.add_(direction.to(local.dtype), alpha=-group["adamw_lr"])
 
-
-def _ragged_dim(p: torch.Tensor) -> int | None:
-    """The mesh dim that ragged-shards ``p`` (``None`` for plain or replicated tensors)."""
-    return ragged_mesh_dim(p.placements) if isinstance(p, DTensor) else None
-
-
-def _by_mesh_dim(items: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> list[list]:
-    """``(param, group, update)`` items grouped by the mesh and mesh dim that ragged-shard them, in order."""
-    out: dict[tuple, list] = {}
-    for item in items:
-        out.setdefault((item[0].device_mesh, _ragged_dim(item[0])), []).append(item)
-    return list(out.values())
-
-
-def _ragged_world(p: torch.Tensor) -> int:
-    """Devices on the mesh dim that ragged-shards ``p`` (1 for plain or replicated tensors)."""
-    dim = _ragged_dim(p)
-    return 1 if dim is None else p.device_mesh.size(dim)
