@@ -224,6 +224,8 @@ _CELLS = [
                                                                 for k in ("ours", "gspmd"))),
     *[(f"{kind} ops (result bytes), ours / GSPMD", _ops(kind))
       for kind in ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")],
+    ("all collectives (result bytes), ours / GSPMD", lambda r: " / ".join(
+        f"{sum(c['bytes'] for c in r['collectives'][k].values()):,} B" for k in ("ours", "gspmd"))),
     ("compile (s), ours / GSPMD", lambda r: " / ".join(f"{r['rows'][k]['compile_s']:.1f}"
                                                       for k in ("ours", "gspmd"))),
     ("largest relative loss difference", lambda r: f"{r['max_relative_loss_difference']:.1e}"),
@@ -270,7 +272,7 @@ def statements(results: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--steps-per-round", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3, help="rounds not counted")
     p.add_argument("--batch", type=int, default=32, help="global rows (a multiple of 8)")
