@@ -345,7 +345,8 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out) if "/" in args.out else RESULTS / args.out
     if args.part == "jax":  # its own files only: moe_vs_fsdp2.{json,md} keep the core and torch parts
-        return _jax_part(out)
+        _jax_part(out)
+        return
     t0 = time.perf_counter()
     summary: dict = {}
     text = ("# Mixture-of-experts: ragged FSDP (+ EP) vs PyTorch FSDP2 (`python -m experiments.moe_vs_fsdp2 "
