@@ -1,4 +1,4 @@
-"""Mixture-of-experts: ragged FSDP (with and without expert parallelism) against PyTorch FSDP2, in two parts.
+"""Mixture-of-experts: ragged FSDP (with and without expert parallelism) vs FSDP2 and GSPMD, in three parts.
 
 **Core** (numpy only, seconds): GPT-OSS-120B's decoder layer (128 fused experts, ``gate_up_proj`` of
 ``[128, 2880, 5760]``) planned by ``ragged`` and laid out as FSDP2's per-parameter ``Shard(0)``
@@ -18,9 +18,16 @@ the same units) and ours with expert parallelism (``expert_parallel`` on ``(ep, 
 (all-to-all included), padding and the all-gather buffer of one MoE layer (ours: the units' ``Layout``s the
 runtime used; FSDP2: its padded ``Shard(0)`` of the same tensors, the core's closed form).
 
-    python -m experiments.moe_vs_fsdp2               # both parts: experiments/results/moe_vs_fsdp2.{json,md}
+**JAX** (8 host devices, minutes): gpt-oss-tiny and mixtral-tiny, ours (``parallelize_moe``: EP + ragged
+FSDP) against GSPMD with an expert axis, on (ep, fsdp) = (2, 4) and (4, 2):
+``experiments/_moe_vs_fsdp2_jax.py``, in an interpreter of its own (XLA reads its flags when jax is
+imported, and the torch part's workers must not come from a process that imported jax: this one never
+does), writing ``<out>_jax.{json,md}``.
+
+    python -m experiments.moe_vs_fsdp2               # all: experiments/results/moe_vs_fsdp2{,_jax}.{json,md}
     python -m experiments.moe_vs_fsdp2 --part core   # the 256-GPU cliff only (no torch)
     python -m experiments.moe_vs_fsdp2 --part torch --warmup 1 --steps 1   # a smoke run
+    python -m experiments.moe_vs_fsdp2 --part jax    # experiments/results/moe_vs_fsdp2_jax.{json,md}
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -342,14 +351,27 @@ def _torch_markdown(s: dict) -> str:
     return "\n".join(text) + "\n"
 
 
+# ---- JAX part ----------------------------------------------------------------------------------------------
+
+def _jax_part(out: Path) -> None:
+    """experiments/_moe_vs_fsdp2_jax.py in a fresh interpreter, writing ``<out>_jax.{json,md}``."""
+    stem = out.resolve().with_name(out.name + "_jax")
+    cmd = [sys.executable, "-m", "experiments._moe_vs_fsdp2_jax", "--out", str(stem)]
+    subprocess.run(cmd, cwd=Path(__file__).parent.parent, check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "core", "torch"), default="all")
+    parser.add_argument("--part", choices=("all", "core", "torch", "jax"), default="all")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="moe_vs_fsdp2",
                         help="results file stem, under experiments/results unless it is a path")
     args = parser.parse_args()
+    out = Path(args.out) if "/" in args.out else RESULTS / args.out
+    if args.part == "jax":  # its own files only: moe_vs_fsdp2.{json,md} keep the core and torch parts
+        _jax_part(out)
+        return
     t0 = time.perf_counter()
     summary: dict = {}
     text = ("# Mixture-of-experts: ragged FSDP (+ EP) vs PyTorch FSDP2 (`python -m experiments.moe_vs_fsdp2 "
@@ -367,12 +389,13 @@ def main() -> None:
                                for name in TORCH_MODELS}}
         text += "\n" + _torch_markdown(summary["torch"])
     summary["wall_s"] = time.perf_counter() - t0
-    out = Path(args.out) if "/" in args.out else RESULTS / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_name(out.name + ".json").write_text(json.dumps(summary, indent=1))
     out.with_name(out.name + ".md").write_text(text)
     print(text)
     print(f"({summary['wall_s']:.0f} s)")
+    if args.part == "all":
+        _jax_part(out)
 
 
 if __name__ == "__main__":
