@@ -98,13 +98,17 @@ def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig | ra
     if args.hsdp == "auto":
         # the runtimes keep one unit per layer: merge 1
         advice = ragged.advise.advise(shapes, world, granularity, tp=args.tp)
-        fits = [o for o in advice.options if o.merge == 1 and o.padding_ratio <= advice.max_padding]
+        fits = [o for o in advice.options if o.merge == 1 and o.padding_ratio <= advice.max_padding
+                and o.group_size % args.ep == 0]  # EP splits each shard group
         replicas = max(fits, key=lambda o: o.group_size).replicas if fits else 1
     else:
         replicas = int(args.hsdp)
     dp = world // args.tp  # devices that see different rows
     if replicas < 1 or dp % replicas:
         raise SystemExit(f"--hsdp {replicas}: the replica count must divide the {dp} data-parallel devices")
+    if (dp // replicas) % args.ep:
+        raise SystemExit(f"--ep {args.ep} must divide the {dp // replicas} devices of each replica's shard "
+                         f"group (--hsdp {replicas}): each EP rank's experts shard over group / EP devices")
     if args.batch % dp:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the {dp} data-parallel devices")
     args.replicas = replicas

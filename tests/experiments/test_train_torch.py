@@ -7,6 +7,7 @@ resume bit for bit.
 
 from __future__ import annotations
 
+import re
 import resource
 import subprocess
 import sys
@@ -255,3 +256,16 @@ def test_gpu_bench_exits_clearly_without_a_gpu(tmp_path):
     assert result.returncode == 2
     assert "no GPU" in result.stdout + result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ep_that_does_not_divide_the_shard_group_is_refused_and_auto_hsdp_respects_it(capsys):
+    with pytest.raises(SystemExit, match=r"--ep 4 must divide the 2 devices of each replica's shard group"):
+        main(["--model", "mixtral-tiny", "--ep", "4", "--hsdp", "2", "--dry-run", "--gpus", "4"])
+    # Without EP the advisor shards gpt-oss-tiny over groups of 12 of the 24 devices (less padding), which
+    # EP 8 cannot split: with --ep 8 it must pick a group EP divides.
+    main(["--model", "gpt-oss-tiny", "--hsdp", "auto", "--dry-run", "--gpus", "24", "--batch", "24"])
+    assert "2 replica(s) x 12 shards" in capsys.readouterr().out
+    main(["--model", "gpt-oss-tiny", "--ep", "8", "--hsdp", "auto", "--dry-run", "--gpus", "24",
+          "--batch", "24"])
+    group = int(re.search(r"x (\d+) shards", capsys.readouterr().out).group(1))
+    assert group % 8 == 0
