@@ -29,6 +29,7 @@ from pathlib import Path
 import ragged
 import ragged.advise
 import ragged.models
+import ragged.quant
 from experiments._distributed import leave_and_exit
 
 
@@ -95,6 +96,13 @@ def memory_plan(args: argparse.Namespace, config: ragged.models.LlamaConfig | ra
     if args.tp < 1 or world % args.tp or args.seq_len % args.tp:
         raise SystemExit(f"--tp {args.tp}: the tensor-parallel degree must divide the {world} devices and "
                          f"--seq-len {args.seq_len} (sequence parallel)")
+    if args.tp > 1 and args.optimizer == "adam8bit":  # refuse here what Adam8bit refuses on every rank
+        for fqn, shape in (t for u in shapes.units for t in u.tensors):
+            if (dim := ragged.models.tp_split_dim(fqn)) is not None:
+                try:
+                    ragged.quant.check_split_tiles(shape, [(dim, args.tp)], fqn)
+                except ragged.quant.TileError as e:
+                    raise SystemExit(f"--tp {args.tp} --optimizer adam8bit: {e}") from None
     if args.hsdp == "auto":
         # the runtimes keep one unit per layer: merge 1
         advice = ragged.advise.advise(shapes, world, granularity, tp=args.tp)

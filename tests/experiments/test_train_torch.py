@@ -269,3 +269,12 @@ def test_ep_that_does_not_divide_the_shard_group_is_refused_and_auto_hsdp_respec
           "--batch", "24"])
     group = int(re.search(r"x (\d+) shards", capsys.readouterr().out).group(1))
     assert group % 8 == 0
+
+
+def test_adam8bit_with_a_tp_split_that_cuts_its_tiles_is_refused_before_launch():
+    """llama-tiny's wk (32 x 64) keeps 16 rows of each 32x32 tile per TP rank at tp 2 (Adam8bit's own
+    TileError, raised here from the plan instead of inside every worker); llama3-8b's split keeps them."""
+    with pytest.raises(SystemExit, match=r"--tp 2 --optimizer adam8bit: .*wk.weight.*cuts the 32x32"):
+        main([*TINY, "--tp", "2", "--optimizer", "adam8bit", "--dry-run", "--gpus", "4"])
+    main(["--model", "llama3-8b", "--tp", "8", "--optimizer", "adam8bit", "--dry-run", "--gpus", "64",
+          "--batch", "8"])
