@@ -3,11 +3,13 @@
 Every case applies TP first and FSDP after, torchtitan's order: the project's llama with its plan
 (``torch_backend.models.tensor_parallel``: sequence parallel included) and a HuggingFace
 ``LlamaForCausalLM`` with the torchtitan-style plan below, on (dp, tp) meshes and on (replicate, dp, tp)
-for HSDP. Each trains STEPS AdamW steps (clipped) on its dp rank's rows; the single-process reference
-trains the same model, data and seed in the worker itself; PyTorch FSDP2 + TP runs the same case as the
-baseline. The ``structured`` cases train with 8-bit Adam and Muon instead, against the same optimizer in
-one process. Results are rank 0's worst relative loss and parameter errors against the reference (the
-parameters read back with ``full_tensor()``, the placement's own gather).
+for HSDP; both with loss parallelism (the logits stay split by vocabulary, the loss runs under
+``loss_parallel()``) unless a case turns it off. Each trains STEPS AdamW steps (clipped) on its dp
+rank's rows; the single-process reference trains the same model, data and seed in the worker itself;
+PyTorch FSDP2 + TP runs the same case (the same loss parallelism) as the baseline. The ``structured``
+cases train with 8-bit Adam and Muon instead, against the same optimizer in one process. Results are
+rank 0's worst relative loss and parameter errors against the reference (the parameters read back with
+``full_tensor()``, the placement's own gather).
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from ragged.models import LLAMA_TINY
 from tests.torch_backend._dist import run_cases
@@ -57,12 +64,15 @@ def hf_llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-def hf_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+def hf_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> nn.Module:
     """torchtitan's split of the projections (Megatron's), without sequence parallelism: HF builds its
-    causal mask and positions from the embedding output, which must stay a whole (replicated) tensor."""
+    causal mask and positions from the embedding output, which must stay a whole (replicated) tensor. The
+    head's output as ``apply_tensor_parallel``'s: split by vocabulary under ``loss_parallel``."""
+    head = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else
+            ColwiseParallel(output_layouts=Replicate()))
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        "lm_head": head,
     })
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, {
@@ -110,19 +120,20 @@ MODELS = {"llama": (llama, "ours", shard_llama), "hf": (hf_llama, "hf", shard_hf
 
 
 def build(kind: str, mesh: DeviceMesh | None, which: str, dp: tuple[str, ...] = ("dp",),
-          **shard_kwargs) -> nn.Module:
-    """The model of ``kind``: plain for the reference (``mesh`` None), else TP on ``mesh["tp"]`` and then
-    ``which`` FSDP ("ours" or "fsdp2") on ``mesh[dp]`` with ``shard_kwargs``."""
+          loss_parallel: bool = True, **shard_kwargs) -> nn.Module:
+    """The model of ``kind``: plain for the reference (``mesh`` None), else TP on ``mesh["tp"]`` (the logits
+    split by vocabulary under ``loss_parallel``) and then ``which`` FSDP ("ours" or "fsdp2") on ``mesh[dp]``
+    with ``shard_kwargs``."""
     make, tp_plan, shard = MODELS[kind]
     model = make()
     if mesh is None:
         return model
     if tp_plan == "hf":
-        hf_tensor_parallel(model, mesh["tp"])
+        hf_tensor_parallel(model, mesh["tp"], loss_parallel)
     else:
         from torch_backend.models import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], loss_parallel=loss_parallel)
     shard(model, mesh[dp], which, **shard_kwargs)
     return model
 
@@ -156,7 +167,9 @@ def clip(model: nn.Module, which: str) -> float:
 def train(model: nn.Module, which: str, dp_rank: int = 0, dp_size: int = 1, steps: range = range(STEPS),
           opt: torch.optim.Optimizer | None = None) -> tuple[dict, torch.optim.Optimizer]:
     """``steps`` of ``opt`` (default AdamW) on this dp rank's rows: the mean loss over the batch and the
-    gradient norm of each."""
+    gradient norm of each, and the shape of the logits this rank holds (its TP part under loss parallel).
+    Forward and backward run under ``loss_parallel()``, as torchtitan's training step: it acts on logits
+    split by vocabulary only, so gathered logits and the reference train as without it."""
     from torch_backend.models import cross_entropy
 
     opt = opt or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -164,8 +177,11 @@ def train(model: nn.Module, which: str, dp_rank: int = 0, dp_size: int = 1, step
     out = {"losses": [], "norms": []}
     for step in steps:
         x, y = batch(step)
-        loss = cross_entropy(logits_of(model, x[rows]), y[rows])
-        loss.backward()
+        with loss_parallel():
+            logits = logits_of(model, x[rows])
+            loss = cross_entropy(logits, y[rows])
+            loss.backward()
+        out["logits"] = list((logits.to_local() if isinstance(logits, DTensor) else logits).shape)
         out["norms"].append(clip(model, which))
         opt.step()
         opt.zero_grad()
@@ -210,13 +226,15 @@ def dp_position(mesh: DeviceMesh, dp: tuple[str, ...]) -> tuple[int, int]:
     return rank, size
 
 
-def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, **shard_kwargs) -> dict:
-    """Ours and FSDP2 on the same TP case against the reference and against each other; ours' placements."""
+def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, loss_parallel: bool = True,
+             **shard_kwargs) -> dict:
+    """Ours and FSDP2 on the same TP case (the same ``loss_parallel``) against the reference and against
+    each other; ours' placements and the logits shape each holds."""
     from torch_backend import debug_counter
 
     out, params = {}, {}
     for which in ("ours", "fsdp2"):
-        model = build(kind, mesh, which, dp, **shard_kwargs)
+        model = build(kind, mesh, which, dp, loss_parallel, **shard_kwargs)
         with debug_counter() as counter:
             got, _ = train(model, which, *dp_position(mesh, dp))
         if which == "ours":  # zero-copy with TP too: no bytes copied outside collectives, one reduce per unit
@@ -224,7 +242,7 @@ def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, **shar
             out["reduce_scatters"] = sorted(set(counter.per_label("reduce_scatter").values()))
         params[which] = full_params(model)
         out[which] = {"loss": rel(got["losses"], ref["losses"]), "norm": rel(got["norms"], ref["norms"]),
-                      "params": rel_errors(params[which], ref["params"])}
+                      "params": rel_errors(params[which], ref["params"]), "logits": got["logits"]}
         if which == "ours":
             out["placements"] = {n: [str(q) for q in p.placements] for n, p in model.named_parameters()}
     out["ours_vs_fsdp2"] = rel_errors(params["ours"], params["fsdp2"])
@@ -358,6 +376,8 @@ def checks(rank: int, world: int, ckpt_dir: str) -> dict:
         return run_cases({
             "llama": lambda: composed("llama", mesh, ("dp",), reference("llama")),
             "hf": lambda: composed("hf", mesh, ("dp",), reference("hf")),
+            "llama_gathered_logits": lambda: composed("llama", mesh, ("dp",), reference("llama"),
+                                                      loss_parallel=False),
             "llama_bf16": lambda: composed("llama", mesh, ("dp",), reference("llama"), mp_policy=BF16),
             "llama_adam8bit": lambda: structured("llama", mesh, "adam8bit"),
             "llama_muon": lambda: structured("llama", mesh, "muon"),

@@ -2,7 +2,8 @@
 
 Workers: ``_tp_workers.py``. One launch of 4 gloo ranks as (dp 2, tp 2) trains the project's llama (its
 TP plan with sequence parallel, ``torch_backend.models.apply_tensor_parallel``) and a HuggingFace
-``LlamaForCausalLM`` (torchtitan-style projections plan) under ours and under PyTorch FSDP2 + TP, checks
+``LlamaForCausalLM`` (torchtitan-style projections plan) under ours and under PyTorch FSDP2 + TP, both
+with loss parallelism (the logits split by vocabulary; once with them gathered instead), checks
 bf16 mixed precision, 8-bit Adam and Muon against the same optimizer in one process, redistribute, the
 refusals, and writes a DCP checkpoint that loads at (dp 4, tp 1)
 in the same launch and at (dp 1, tp 2) in a 2-rank launch. One launch of 8 ranks runs HSDP as
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ragged.models import LLAMA_TINY
 from tests.torch_backend import _tp_workers as W
 from tests.torch_backend._dist import case_results, launch
 
@@ -56,8 +58,9 @@ def run(tmp_path_factory):
     return get
 
 
-def assert_trains_like_reference_and_fsdp2(r: dict) -> None:
+def assert_trains_like_reference_and_fsdp2(r: dict, logits: list[int]) -> None:
     ours, fsdp2 = r["ours"], r["fsdp2"]
+    assert ours["logits"] == fsdp2["logits"] == logits, r  # what each rank holds: its rows, its TP part
     assert ours["loss"] <= LOSS_RTOL and fsdp2["loss"] <= LOSS_RTOL, r
     assert ours["norm"] <= FP32_RTOL, r
     assert ours["params"] <= FP32_RTOL and fsdp2["params"] <= FP32_RTOL, r
@@ -66,9 +69,19 @@ def assert_trains_like_reference_and_fsdp2(r: dict) -> None:
     assert r["copy_bytes"] == 0 and r["reduce_scatters"] == [W.STEPS], r  # zero-copy; one reduce per unit
 
 
-@pytest.mark.parametrize("case, world", [("llama", 4), ("hf", 4), ("llama_hsdp", 8), ("hf_hsdp", 8)])
-def test_tp_then_fully_shard_trains_like_single_process_and_fsdp2(run, case, world):
-    assert_trains_like_reference_and_fsdp2(case_results(run(world), case)[0])
+V, TP = LLAMA_TINY.vocab_size, 2
+
+
+# Loss parallel: each rank holds the logits of its dp rank's rows (B / dp) for its vocab / tp columns; the
+# loss computed on the parts (a max and a sum of exponentials all-reduced per token) rounds like the
+# gathered one, so the same bounds hold. llama_gathered_logits: the head's output gathered, full vocabulary.
+@pytest.mark.parametrize("case, world, logits", [
+    ("llama", 4, [W.B // 2, W.T, V // TP]), ("hf", 4, [W.B // 2, W.T, V // TP]),
+    ("llama_hsdp", 8, [W.B // 4, W.T, V // TP]), ("hf_hsdp", 8, [W.B // 4, W.T, V // TP]),
+    ("llama_gathered_logits", 4, [W.B // 2, W.T, V]),
+])
+def test_tp_then_fully_shard_trains_like_single_process_and_fsdp2(run, case, world, logits):
+    assert_trains_like_reference_and_fsdp2(case_results(run(world), case)[0], logits)
 
 
 def test_bf16_mixed_precision_is_no_further_from_the_reference_than_fsdp2(run):

@@ -159,5 +159,12 @@ def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | Non
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-token cross entropy, computed in fp32, as a plain scalar tensor.
+
+    ``logits`` split by vocabulary over a TP mesh (a DTensor ``Shard(-1)``, ``apply_tensor_parallel``'s
+    loss parallelism) give the same loss on every TP rank; call this and ``backward`` under
+    ``torch.distributed.tensor.parallel.loss_parallel()``, which computes it on the parts (without it
+    DTensor gathers the full logits first).
+    """
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated: every TP rank's value
