@@ -27,9 +27,11 @@ LLAMA_TP_SPLIT``), so every buffer term is the TP rank's; a TP group's ``tp`` de
 ``tokens``; of the activations, the heads' and hidden units' terms (``6 n_heads head_dim + 4 ffn``) and the
 sequence-split ones between the blocks (the fp32 norm inputs, a checkpointed layer's input) are ``1/tp``,
 while the normed input each block gathers over the sequence for its column-parallel matmuls (the
-``2 dim``) is kept whole on every TP rank (DTensor saves the gathered tensor); the logits are not split
-(the head's output is gathered to the full vocabulary before the loss, ``output_layouts=Replicate()``;
-a vocabulary-parallel loss would split them). TP's own communication buffers are not counted.
+``2 dim``) is kept whole on every TP rank (DTensor saves the gathered tensor); with loss parallelism
+(``loss_parallel=True``, torchtitan's default and the torch runtime's) the logits stay split by vocabulary
+and the loss runs on the parts, so each of their three terms is ``tokens x vocab / tp``; without it the
+head's output is gathered to the full vocabulary on every TP rank before the loss. TP's own
+communication buffers (and loss parallelism's per-token max and sum) are not counted.
 
 Expert parallelism (MoE, ``ep > 1``), torchtitan's arrangement as ``plan_expert_parallel`` plans it: each
 MoE layer's routed experts leave the layer's unit and form one unit of ``E/ep`` experts per EP rank,
@@ -161,6 +163,7 @@ class MemoryPlan:
     tp: int = 1  # tensor-parallel degree: each tensor split over tp devices (llamas)
     ep: int = 1  # expert-parallel degree: each EP rank of the shard group holds E / ep experts (MoE)
     all_to_all: int = 0  # bytes of one MoE layer's all-to-all token buffers (EP only)
+    loss_parallel: bool = True  # under TP: the logits and the loss split by vocabulary (vocab / tp each)
 
     @property
     def shard_group(self) -> int:
@@ -189,7 +192,8 @@ class MemoryPlan:
         """The plan as plain text lines (what ``--dry-run`` prints)."""
         size = f"{self.numel / 1e9:.2f} B" if self.numel >= 1e8 else f"{self.numel / 1e6:.2f} M"
         tokens = (f"{self.tokens_per_device} tokens/device" if self.tp == 1 else
-                  f"{self.tokens_per_device} tokens per TP group")
+                  f"{self.tokens_per_device} tokens per TP group, loss parallel "
+                  f"{'on' if self.loss_parallel else 'off'}")
         head = (f"memory plan per device: {self.model} ({size} params), {self.gpus} "
                 f"devices = {self._grid()}, {self.granularity}, "
                 f"{self.dtype}, {self.optimizer}, {tokens}, activation "
@@ -298,7 +302,8 @@ def _activations(c: ModelConfig, tokens: int, cb: int, tp: int, activation_check
 def memory_plan(model: str, c: ModelConfig, gpus: int, *, replicas: int = 1, tp: int = 1, ep: int = 1,
                 granularity: str = "rows:1", dtype: str = "bf16", optimizer: str = "adamw",
                 batch_per_device: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
-                shapes: ModelShapes | None = None, sharding: str = "ragged") -> MemoryPlan:
+                shapes: ModelShapes | None = None, sharding: str = "ragged", loss_parallel: bool = True
+                ) -> MemoryPlan:
     """Plan ``c`` (or ``shapes``) for ``gpus`` devices and estimate the bytes one device holds.
 
     ``gpus = replicas x shard group x tp``: ``tp`` devices split each llama tensor (``LLAMA_TP_SPLIT``) and
@@ -308,6 +313,8 @@ def memory_plan(model: str, c: ModelConfig, gpus: int, *, replicas: int = 1, tp:
     ``granularity`` is a ``ragged`` granularity string for every matrix, or ``"tiles"`` for 8-bit Adam's
     32 x 32 tiles where a matrix tiles (``tile_granularity``), as the runtimes plan it. ``sharding`` is
     ``"ragged"`` (the planner) or ``"fsdp2"`` (FSDP2's padded per-parameter ``Shard(0)``, for comparison).
+    ``loss_parallel`` (under TP): the logits stay split by vocabulary through the loss (torchtitan's
+    ``loss_parallel``), ``vocab / tp`` columns per device; False counts them gathered to the full vocabulary.
 
     Raises:
         RaggedError: ``tp``, ``replicas`` or ``ep`` not dividing the devices as above, TP on a mixture of
@@ -329,6 +336,7 @@ def memory_plan(model: str, c: ModelConfig, gpus: int, *, replicas: int = 1, tp:
     shard = sum(s for s, _ in sizes)
     cb = DTYPE_BYTES[dtype]
     tokens = batch_per_device * seq_len
+    vocab = c.vocab_size // tp if loss_parallel else c.vocab_size  # the logits' columns on one device
     return MemoryPlan(
         model=model, gpus=gpus, replicas=replicas, granularity=granularity, dtype=dtype, optimizer=optimizer,
         tokens_per_device=tokens, activation_checkpointing=activation_checkpointing, numel=shapes.numel,
@@ -336,5 +344,5 @@ def memory_plan(model: str, c: ModelConfig, gpus: int, *, replicas: int = 1, tp:
         optimizer_state=math.ceil(OPTIMIZER_STATE_BYTES[optimizer] * shard),
         unsharded=biggest * (2 * cb + cb + 4),
         activations=_activations(c, tokens, cb, tp, activation_checkpointing),
-        logits=tokens * c.vocab_size * (cb + 8), sharding=sharding, tp=tp, ep=ep,
-        all_to_all=4 * cb * c.top_k * tokens * c.dim if ep > 1 else 0)
+        logits=tokens * vocab * (cb + 8), sharding=sharding, tp=tp, ep=ep,
+        all_to_all=4 * cb * c.top_k * tokens * c.dim if ep > 1 else 0, loss_parallel=loss_parallel)

@@ -59,7 +59,19 @@ def test_one_data_parallel_rank_holds_its_tp_share_unpadded(tp):
     # gathered, its bf16 and fp32 gradient
     assert plan.unsharded == local_layer_numel(tp) * (3 * BF16 + 4)
     assert plan.activations == activations(tp, 64)
-    assert plan.logits == 64 * 256 * (BF16 + 8)  # the head's output is gathered to the full vocabulary
+    # loss parallel: each device's logits are its 256 / tp vocabulary columns for the TP group's 64 tokens,
+    # in bf16, in fp32 for the loss and their fp32 gradient
+    assert plan.loss_parallel and plan.logits == 64 * (256 // tp) * (BF16 + 4 + 4)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_without_loss_parallel_every_tp_rank_holds_the_logits_of_the_whole_vocabulary(tp):
+    plan = memory_plan("llama-mha", C, tp, tp=tp, seq_len=32, batch_per_device=2, loss_parallel=False)
+    split = memory_plan("llama-mha", C, tp, tp=tp, seq_len=32, batch_per_device=2)
+    assert plan.logits == 64 * 256 * (BF16 + 4 + 4)  # the head's output gathered on every TP rank
+    assert plan.total - split.total == plan.logits - split.logits  # only the logits term changes
+    assert ("loss parallel off" in plan.describe()) == (tp > 1)
+    assert ("loss parallel on" in split.describe()) == (tp > 1)
 
 
 @pytest.mark.parametrize("gpus, tp, replicas", [(8, 2, 1), (16, 2, 2), (12, 4, 1)])
