@@ -9,6 +9,7 @@ a single-process init with the same seed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 import ragged
@@ -78,8 +80,8 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
         model = MoEDecoder(config) if isinstance(config, ragged.models.MoeConfig) else Llama(config)
     if args.ep > 1:
         model.init_weights(args.seed)
-    if tp_mesh is not None:
-        apply_tensor_parallel(model, tp_mesh)
+    if tp_mesh is not None:  # the logits stay split by vocabulary: the step runs under loss_parallel()
+        apply_tensor_parallel(model, tp_mesh, loss_parallel=True)
     if args.activation_checkpointing:
         for block in model.layers:  # before fully_shard: the recompute runs inside the unit's backward
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -199,6 +201,8 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
             checkpoints.check_settings(ckpt_root, settings, write=False)
         model = build(args, config, dp_mesh, dev, mesh["tp"] if tp > 1 else None)
         loss_fn = loss_function(config)
+        # under TP the loss and its backward run on the logits' vocabulary parts (torchtitan's train context)
+        loss_context = loss_parallel if tp > 1 else contextlib.nullcontext
         opt = optimizer(args, model)
         first = 0
         if (found := checkpoints.latest(ckpt_root)) is not None:
@@ -220,8 +224,9 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
                     torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()
                 with debug_counter() as counter:
-                    loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-                    loss.backward()
+                    with loss_context():
+                        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+                        loss.backward()
                     opt.step()
                     opt.zero_grad()
                 global_loss = loss.detach().float().clone()

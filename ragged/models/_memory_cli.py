@@ -39,6 +39,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
+                   help="under TP, count the logits gathered to the full vocabulary on every TP rank "
+                        "(default: split by vocabulary through the loss, as both runtimes train)")
     p.add_argument("--memory-gib", type=float, default=80.0, help="memory of one device (default 80)")
     p.add_argument("--json", metavar="OUT", help="write the plans as JSON to OUT ('-' for stdout)")
     p.set_defaults(run=run)
@@ -58,7 +61,8 @@ def plans(args: argparse.Namespace, degrees: list[int]) -> list[MemoryPlan]:
         out.append(memory_plan(args.model, c, args.gpus, replicas=args.hsdp, tp=tp, ep=args.ep,
                                granularity=args.granularity, dtype=args.dtype, optimizer=args.optimizer,
                                batch_per_device=batch // dp, seq_len=args.seq_len,
-                               activation_checkpointing=args.activation_checkpointing))
+                               activation_checkpointing=args.activation_checkpointing,
+                               loss_parallel=args.loss_parallel))
     return out
 
 
@@ -97,7 +101,8 @@ def _print_table(found: list[MemoryPlan], limit: int) -> None:
     p = found[0]
     title = (f"{p.model} on {p.gpus} devices, {p.granularity}, {p.dtype}, {p.optimizer}, "
              f"{p.tokens_per_device * (p.gpus // p.tp):,} tokens per step, activation "
-             f"checkpointing {'on' if p.activation_checkpointing else 'off'}")
+             f"checkpointing {'on' if p.activation_checkpointing else 'off'}, loss parallel "
+             f"{'on' if p.loss_parallel else 'off'}")
     table = Table(title=title, title_justify="left")
     table.add_column("per device", no_wrap=True)
     for q in found:

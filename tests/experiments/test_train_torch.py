@@ -71,9 +71,10 @@ def test_torchrun_two_gloo_processes_match_plain_training_and_resume_bit_exactly
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_torchrun_tensor_parallel_matches_plain_training(tmp_path, optimizer):
-    """``--tp 2`` on 4 gloo processes: a (dp 2, tp 2) mesh, torchtitan's plan with sequence parallel, then
-    fully_shard on dp; the meta-device init writes each TP rank's part, and every step's loss equals plain
-    single-process training with the same optimizer (Muon gathers each matrix over dp and tp)."""
+    """``--tp 2`` on 4 gloo processes: a (dp 2, tp 2) mesh, torchtitan's plan with sequence parallel and loss
+    parallel (the loss on each TP rank's vocabulary half), then fully_shard on dp; the meta-device init
+    writes each TP rank's part, and every step's loss equals plain single-process training with the same
+    optimizer (Muon gathers each matrix over dp and tp)."""
     args = [*TINY, "--steps", str(STEPS), "--lr", str(LR), "--weight-decay", str(WD), "--tp", "2",
             "--optimizer", optimizer, "--checkpoint-dir", str(tmp_path / "ckpt")]
     result = torchrun(4, args)

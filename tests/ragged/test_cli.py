@@ -246,6 +246,22 @@ def test_memory_compares_tp_degrees_at_one_global_batch(capsys):
     assert "no TP degree fits in 0.001 GiB" in capsys.readouterr().out
 
 
+def test_memory_counts_the_logits_gathered_without_loss_parallel(capsys):
+    args = ["memory", "--model", "llama-tiny", "--gpus", "4", "--tp", "1,2", "--batch", "8",
+            "--seq-len", "64"]
+    found = {}
+    for flag in ([], ["--no-loss-parallel"]):
+        assert main([*args, *flag, "--json", "-"]) == 0
+        found[bool(flag)] = json.loads(capsys.readouterr().out)["plans"]
+    split, gathered = found[False], found[True]
+    assert [p["loss_parallel"] for p in split + gathered] == [True, True, False, False]
+    assert gathered[0]["logits"] == split[0]["logits"]  # TP 1: nothing to split
+    assert gathered[1]["logits"] == 2 * split[1]["logits"]  # TP 2: the full vocabulary on both TP ranks
+    assert gathered[1]["total"] - split[1]["total"] == split[1]["logits"]
+    assert main([*args, "--no-loss-parallel"]) == 0
+    assert "loss parallel off" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "llama-tiny", "--gpus", "8", "--tp", "3"], "--tp 3 must divide the 8 devices"),
     (["--model", "llama-tiny", "--gpus", "8", "--batch", "4"],
