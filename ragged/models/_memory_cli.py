@@ -101,13 +101,14 @@ def _print_table(found: list[MemoryPlan], limit: int) -> None:
     p = found[0]
     title = (f"{p.model} on {p.gpus} devices, {p.granularity}, {p.dtype}, {p.optimizer}, "
              f"{p.tokens_per_device * (p.gpus // p.tp):,} tokens per step, activation "
-             f"checkpointing {'on' if p.activation_checkpointing else 'off'}, loss parallel "
-             f"{'on' if p.loss_parallel else 'off'}")
+             f"checkpointing {'on' if p.activation_checkpointing else 'off'}")
     table = Table(title=title, title_justify="left")
     table.add_column("per device", no_wrap=True)
     for q in found:
         table.add_column(f"TP {q.tp} ({q.replicas} x {q.shard_group})", justify="right", no_wrap=True)
     table.add_row("tokens per TP group", *(f"{q.tokens_per_device:,}" for q in found))
+    table.add_row("loss parallel (logits vocab / TP)", *(
+        "-" if q.tp == 1 else "on" if q.loss_parallel else "off" for q in found))
     table.add_row("planner padding", *(f"{q.padding_ratio:.2%}" for q in found))
     for i, (name, _) in enumerate(p.rows()):
         table.add_row(name, *(gib(q.rows()[i][1]) for q in found))
