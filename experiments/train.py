@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "every MoE layer, sharded over world / ep ranks; the rest over all; docs/moe.md)")
     p.add_argument("--tp", type=int, default=1,
                    help="llamas: tensor-parallel degree inside each data-parallel group (torch: torchtitan's "
-                        "plan with sequence parallel, mesh (replicate, shard, tp); JAX: a 'tensor' axis)")
+                        "plan with sequence and loss parallel, mesh (replicate, shard, tp); JAX: a 'tensor' "
+                        "axis); the logits stay split by vocabulary")
     p.add_argument("--granularity", default="auto",
                    help="matrix granularity (rows:N, tiles:RxC, element, ...); auto: rows:1, 32x32 tiles for "
                         "adam8bit")
