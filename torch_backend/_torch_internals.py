@@ -46,6 +46,7 @@ __all__ = [
     "dt_api",
     "dt_redistribute",
     "is_view_op",
+    "loss_parallel_active",
     "mutates_self",
     "offset_free",
     "preserve_version_counter",
@@ -125,6 +126,12 @@ def is_view_op(op: torch._ops.OpOverload) -> bool:
     return op._schema._is_view_op()
 
 
+def loss_parallel_active() -> bool:
+    """Whether code runs under ``torch.distributed.tensor.parallel.loss_parallel()``: while it is entered,
+    DTensor dispatches the cross-entropy ops to its own handlers."""
+    return torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
+
+
 def state_dict_utils() -> types.ModuleType | None:
     """``torch.distributed._state_dict_utils`` (None on a torch without it)."""
     try:
@@ -163,7 +170,7 @@ def _check_torch() -> None:
             ("_ToTorchTensor", dt_api),
             ("_mesh_resources", dt_api),
             ("propagate_op_sharding_non_cached", ShardingPropagator),
-            ("_custom_op_handlers", DTensor._op_dispatcher),
+            ("_custom_op_handlers", DTensor._op_dispatcher),  # and read by loss_parallel_active
             ("_dispatch_get_local_results_slow_path", DTensor._op_dispatcher),
             ("__create_write_items__", DTensor),
             ("__create_chunk_list__", DTensor),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from experiments.demo import LR, WEIGHT_DECAY, batch
 from ragged.models import MOE_CONFIGS
@@ -43,8 +44,9 @@ def train(model: nn.Module, loss_fn: Callable, steps: range, dp_rank: int, dp_si
         x, y = (torch.from_numpy(a) for a in batch(step))
         rows = slice(dp_rank * len(x) // dp_size, (dp_rank + 1) * len(x) // dp_size)
         count()
-        loss = loss_fn(model(x[rows]), y[rows])
-        loss.backward()
+        with loss_parallel():  # the TP llama's logits stay split by vocabulary; plain tensors: no effect
+            loss = loss_fn(model(x[rows]), y[rows])
+            loss.backward()
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()

@@ -309,9 +309,20 @@ def refusals(mesh: DeviceMesh) -> dict[str, str]:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
+    def loss_outside_loss_parallel() -> str:  # TP alone: the logits split by vocabulary, no FSDP state
+        from torch_backend.models import apply_tensor_parallel, cross_entropy
+
+        x, y = batch(0)
+        try:
+            cross_entropy(apply_tensor_parallel(llama(), mesh["tp"])(x), y)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     return {
         "adam8bit": adam8bit_32x32(),
+        "loss_parallel": loss_outside_loss_parallel(),
         "partial": attempt(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()])),
         "uneven": attempt(distribute_tensor(torch.ones(3, 4), mesh["tp"], [Shard(0)])),
         "other_mesh": attempt(distribute_tensor(torch.ones(4, 4), other["b"], [Shard(0)])),

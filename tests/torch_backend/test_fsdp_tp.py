@@ -139,6 +139,12 @@ def test_8bit_adam_refuses_a_tp_split_that_cuts_its_tiles_naming_parameter_split
                               "32x32 quantization tiles of shape (32, 64): each device gets 16 rows"), message
 
 
+def test_split_logits_outside_loss_parallel_are_refused_saying_where_the_loss_must_run(run):
+    message = case_results(run(4), "refusals")[0]["loss_parallel"]
+    assert message.startswith("ValueError: cross_entropy: the logits are a DTensor (Shard(dim=2),)"), message
+    assert "call backward under torch.distributed.tensor.parallel.loss_parallel()" in message, message
+
+
 @pytest.mark.parametrize("case, rule", [
     ("partial", "composes with tensor parallelism's Shard(dim) and Replicate only"),
     ("uneven", "does not split evenly over 2 TP ranks"),

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ragged.models import LLAMA_TINY, LlamaConfig
+from torch_backend._torch_internals import loss_parallel_active
 
 
 class RMSNorm(nn.Module):
@@ -163,8 +164,16 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
     ``logits`` split by vocabulary over a TP mesh (a DTensor ``Shard(-1)``, ``apply_tensor_parallel``'s
     loss parallelism) give the same loss on every TP rank; call this and ``backward`` under
-    ``torch.distributed.tensor.parallel.loss_parallel()``, which computes it on the parts (without it
-    DTensor gathers the full logits first).
+    ``torch.distributed.tensor.parallel.loss_parallel()``, which computes it on the parts.
+
+    Raises:
+        ValueError: DTensor ``logits`` outside ``loss_parallel()``.
     """
+    if isinstance(logits, DTensor) and not loss_parallel_active():
+        raise ValueError(
+            f"cross_entropy: the logits are a DTensor {tuple(logits.placements)} on mesh "
+            f"{tuple(logits.device_mesh.shape)} (split by vocabulary: apply_tensor_parallel's loss_parallel="
+            "True); compute the loss and call backward under torch.distributed.tensor.parallel."
+            "loss_parallel(), or build the model with loss_parallel=False")
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated: every TP rank's value
