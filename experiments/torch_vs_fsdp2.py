@@ -456,10 +456,11 @@ def _markdown(s: dict) -> str:
                              "parallel), then " if tp else "")
                           + "wraps each decoder layer and the root", heading=False))
     if "load_average" in s:
-        load = s["load_average"]
-        text += (f"\nMachine load (1, 5, 15-minute load average) at the start: {load['start']}, at the end: "
-                 f"{load['end']}, on {load['cpus']} CPUs. The two runtimes alternate step by step, so both "
-                 "see the same load, but a loaded machine makes the step times and their ratio noisy.\n")
+        load = {k: ", ".join(f"{x:.1f}" for x in v) for k, v in s["load_average"].items() if k != "cpus"}
+        text += (f"\nMachine load (1, 5, 15-minute load averages) at the start: {load['start']}, at the end: "
+                 f"{load['end']}, on {s['load_average']['cpus']} CPUs. The two runtimes alternate step by "
+                 "step, so both see the same load, but a loaded machine makes the step times and their ratio "
+                 "noisy.\n")
     return text
 
 
