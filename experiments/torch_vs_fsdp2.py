@@ -477,10 +477,10 @@ def _table(s: dict, model: str, heading: bool = True) -> str:
         ("median step time (fwd+bwd+AdamW)", lambda r: f"{r['median_step_s'] * 1e3:.1f} ms"),
         ("median forward+backward", lambda r: f"{r['median_fwd_bwd_s'] * 1e3:.1f} ms"),
         ("bytes copied outside collectives / step", lambda r: f"{r['copy_bytes_per_step']:,}"),
-        ("all-gather bytes / step (padding incl.)", lambda r: f"{r['all_gather_bytes_per_step']:,}"),
-        ("reduce-scatter bytes / step (padding incl.)", lambda r: f"{r['reduce_scatter_bytes_per_step']:,}"),
         *([("of which FSDP2's copy-in/out (`fsdp::` ops)", lambda r: f"{_fsdp_copy_bytes(r):,}")]
           if tp else []),
+        ("all-gather bytes / step (padding incl.)", lambda r: f"{r['all_gather_bytes_per_step']:,}"),
+        ("reduce-scatter bytes / step (padding incl.)", lambda r: f"{r['reduce_scatter_bytes_per_step']:,}"),
         ("peak memory per rank (RSS above baseline)",
          lambda r: ", ".join(mib(b) for b in r["peak_memory_bytes_per_rank"])),
     ]
