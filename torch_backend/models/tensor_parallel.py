@@ -1,4 +1,5 @@
 """Tensor parallelism for the torch ``Llama``, torchtitan's plan: apply it before ``parallelize`` (FSDP).
+A second plan does the same for a HuggingFace ``LlamaForCausalLM`` (by its attribute names).
 
 Megatron's split, with sequence parallelism between the blocks: the embedding is split by rows of the
 vocabulary and leaves activations split along the sequence (``Shard(1)``); each block gathers the
@@ -10,6 +11,7 @@ weights (``SequenceParallel``); the head is split by vocabulary and gathers the 
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -52,5 +54,31 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh) -> Llama:
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
+        })
+    return model
+
+
+def apply_hf_llama_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Split a HuggingFace ``LlamaForCausalLM``'s weights over the 1-D ``tp_mesh`` in place.
+
+    torchtitan's split of the projections (Megatron's: ``q k v gate up`` by output features, ``o down``
+    by input features, the embedding and the head by vocabulary), without sequence parallelism: HF builds
+    its causal mask and positions from the embedding output, which must stay a whole (replicated) tensor,
+    so the norms keep plain replicated weights. Keyed by the attribute names alone: transformers is not
+    imported here.
+
+    Returns:
+        ``model``, whose projection, embedding and head weights are now DTensors on ``tp_mesh``.
+    """
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
         })
     return model
