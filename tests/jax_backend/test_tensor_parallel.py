@@ -128,8 +128,9 @@ def worst_rel_err(got: dict, want: dict) -> float:
 
 
 def test_compiled_step_gathers_each_tensor_ranks_shard_over_fsdp_only(model, batches):
-    """The unit collectives run on each tensor rank's row (``(1, W * S)``, groups of the fsdp axis): left to
-    XLA, the all-gather of a (T, S) operand first replicates it over the tensor axis."""
+    """The optimizer state is placed as the buffers, and the unit collectives run on each tensor rank's row
+    (``(1, W * S)``, groups of the fsdp axis): left to XLA, the all-gather of a (T, S) operand first
+    replicates it over the tensor axis."""
     mesh, _ = _mesh("fsdp4_tensor2")
     fsdp = parallelize(model, mesh, tensor_axis="tensor")
     buffers = fsdp.shard_params(model_params(model))
@@ -137,7 +138,13 @@ def test_compiled_step_gathers_each_tensor_ranks_shard_over_fsdp_only(model, bat
     opt = adamw()
     step = fsdp.train_step(opt, cross_entropy)
     state = fsdp.init(opt, buffers)
-    text = step.lower(buffers, state, batches[0][:, :-1], batches[0][:, 1:]).compile().as_text()
+    # the moments as the buffers from init on (left to XLA, init replicated them over tensor), so the step
+    # compiled for the first state takes the state it returns
+    assert {a.sharding.spec for a in jax.tree.leaves(state) if a.ndim} == {P("tensor", "fsdp")}
+    x, y = batches[0][:, :-1], batches[0][:, 1:]
+    compiled = step.lower(buffers, state, x, y).compile()
+    compiled(*compiled(buffers, state, x, y)[:2], x, y)
+    text = compiled.as_text()
     sizes = {lay.total_numel for lay in fsdp.layouts} | {lay.shard_size for lay in fsdp.layouts}
     unit_ops = re.findall(r"= f32\[(\d+),(\d+)\]\S* (all-gather|reduce-scatter)\(", text)
     on_units = [(int(t), op) for t, n, op in unit_ops if int(n) in sizes]
