@@ -24,8 +24,8 @@ from jax_backend import TensorParallel, flatten_params
 Shape = tuple[int, ...]
 
 
-def gspmd_spec(shape: Shape, fsdp_size: int, *, axis: str = "fsdp", tensor_axis: str | None = None,
-               tensor_dim: int | None = None) -> P:
+def gspmd_spec(shape: Shape, fsdp_size: int, *, axis: str | tuple[str, ...] = "fsdp",
+               tensor_axis: str | None = None, tensor_dim: int | None = None) -> P:
     """``tensor_dim`` on ``tensor_axis``; ``axis`` on the largest other dim ``fsdp_size`` divides."""
     entries: list[str | None] = [None] * len(shape)
     if tensor_dim is not None:
