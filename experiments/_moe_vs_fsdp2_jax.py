@@ -121,12 +121,8 @@ def expert_axis_spec(path: str, shape: tuple[int, ...], fsdp: int) -> P:
     """Experts: dim 0 on ``ep``, their largest other dim ``fsdp`` divides on ``fsdp``. Everything else:
     ``gspmd_spec``'s largest dim ``ep * fsdp`` divides, over ``(ep, fsdp)`` jointly."""
     if ".experts." not in f".{path}.":
-        return P(*(EXPERT_AXES if a == "fsdp" else a for a in gspmd_spec(shape)))
-    spec = ["ep"] + [None] * (len(shape) - 1)
-    others = [d for d in range(1, len(shape)) if shape[d] % fsdp == 0]
-    if others:
-        spec[max(others, key=lambda d: shape[d])] = "fsdp"
-    return P(*spec)
+        return gspmd_spec(shape, DEVICES, axis=EXPERT_AXES)
+    return gspmd_spec(shape, fsdp, tensor_axis="ep", tensor_dim=0)
 
 
 def prepare_gspmd(model: MoEDecoder, mesh: Mesh, loss_fn, batches, opt) -> dict:

@@ -23,8 +23,15 @@ one process, so they share the XLA flags, thread pools and CPU affinity (recorde
 Also measured: compile time, collective bytes per step and per device (read from the compiled HLO),
 compiled memory (``memory_analysis``), and the loss curves (they must agree).
 
+With ``--tensor T`` (and ``--replica R``) the mesh is (replica R x) fsdp 8/(R T) x tensor T and the
+cases are tensor-parallel: the llama split by ``jax_backend.models.TENSOR_RULES`` and a transformer of
+flax's own layers with ``nnx.with_partitioning`` annotations (``experiments/_flax_transformer.py``). Ours
+is ``shard_model(..., tensor_axis="tensor")``; GSPMD (``experiments/_gspmd.py``) puts each parameter's
+tensor dim, the one ours resolved, on the tensor axis and its largest other dim that fsdp divides on fsdp.
+
     python -m experiments.jax_vs_gspmd                  # writes experiments/results/jax_vs_gspmd.{json,md}
     python -m experiments.jax_vs_gspmd --eigen-threads  # XLA's default threading: jax_vs_gspmd_eigen.*
+    python -m experiments.jax_vs_gspmd --tensor 2       # fsdp 4 x tensor 2: jax_vs_gspmd_tensor2.*
 """
 
 import os
@@ -43,6 +50,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -50,25 +58,43 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from experiments._flax_transformer import make_transformer  # noqa: E402
+from experiments._gspmd import gspmd_spec, gspmd_step  # noqa: E402
 from experiments._hlo import bytes_touched, collective_bytes, memory  # noqa: E402
-from jax_backend import make_mesh, shard_model  # noqa: E402
+from jax_backend import FSDP, make_mesh, shard_model  # noqa: E402
 from jax_backend.models import Llama, cross_entropy, parallelize  # noqa: E402
 from ragged.models import LLAMA_TINY, LlamaConfig, llama_shapes  # noqa: E402
 
 DEVICES = 8
 
 
-def gspmd_spec(shape: tuple[int, ...]) -> P:
-    """Shard the largest dim that the device count divides; replicate when none does."""
-    dims = sorted((d for d in range(len(shape)) if shape[d] % DEVICES == 0), key=lambda d: -shape[d])
-    if not dims:
-        return P()
-    spec = [None] * len(shape)
-    spec[dims[0]] = "fsdp"
-    return P(*spec)
+@dataclass(frozen=True)
+class Axes:
+    """The benchmark's mesh over ``DEVICES``: ``replica`` x fsdp x ``tensor`` (size 1: no such axis)."""
+
+    replica: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        if DEVICES % (self.replica * self.tensor):
+            raise ValueError(f"replica {self.replica} x tensor {self.tensor} must divide {DEVICES} devices")
+
+    @property
+    def replica_axis(self) -> str | None:
+        return "replica" if self.replica > 1 else None
+
+    @property
+    def tensor_axis(self) -> str | None:
+        return "tensor" if self.tensor > 1 else None
+
+    def mesh(self) -> Mesh:
+        fsdp = DEVICES // (self.replica * self.tensor)
+        sizes = {"replica": self.replica, "fsdp": fsdp, "tensor": self.tensor}
+        sizes = {name: n for name, n in sizes.items() if n > 1 or name == "fsdp"}
+        return make_mesh(tuple(sizes.values()), tuple(sizes))
 
 
 def blocks_cut_by_gspmd(units, rows: int = 32) -> tuple[int, int]:
@@ -80,7 +106,7 @@ def blocks_cut_by_gspmd(units, rows: int = 32) -> tuple[int, int]:
                 continue
             n = shape[0] // rows
             total += n
-            spec = gspmd_spec(shape)
+            spec = gspmd_spec(shape, DEVICES)
             if spec == P():
                 continue
             if spec[0] == "fsdp":  # rows split in chunks of shape[0] / 8: whole blocks only if they divide
@@ -110,13 +136,13 @@ def rows32(name: str, shape: tuple[int, ...]) -> str:
     return "rows:32" if shape[0] % 32 == 0 else "rows:1"
 
 
-def prepare_ours(model, loss_fn, batches, opt, *, granularity="rows:1", **keep) -> dict:
-    mesh = make_mesh((DEVICES,), ("fsdp",))
+def prepare_ours(model, loss_fn, batches, opt, axes: Axes, *, granularity="rows:1", **keep) -> dict:
+    mesh, on = axes.mesh(), {"replica_axis": axes.replica_axis, "tensor_axis": axes.tensor_axis}
     if isinstance(model, Llama):
-        fsdp = parallelize(model, mesh, granularity=granularity, **keep)
+        fsdp = parallelize(model, mesh, granularity=granularity, **on, **keep)
     else:  # what a user writes for their own model (sync BN: GSPMD's jit normalizes by the global batch)
         fsdp = shard_model(model, mesh, units="blocks.*", granularity=granularity,
-                           sync_batch_stats=isinstance(model, ConvNet), **keep)
+                           sync_batch_stats=isinstance(model, ConvNet), **on, **keep)
     buffers = fsdp.shard_params(model)
     state = fsdp.init(opt, buffers)
     model_state = fsdp.shard_model_state(model)
@@ -130,39 +156,15 @@ def prepare_ours(model, loss_fn, batches, opt, *, granularity="rows:1", **keep) 
         out = compiled(*carry[:2], x, y, *carry[2:])  # (buffers, state, loss[, aux][, model_state])
         return (*out[:2], *out[-1:][:int(stateful)]), out[2]
 
-    return {"compiled": compiled, "run": run, "carry": carry, "compile_s": time.perf_counter() - t0,
-            "padding": sum(lay.padding for lay in fsdp.layouts),
+    return {"fsdp": fsdp, "compiled": compiled, "run": run, "carry": carry,
+            "compile_s": time.perf_counter() - t0, "padding": sum(lay.padding for lay in fsdp.layouts),
             "blocks_cut_32": blocks_cut_by_layouts(fsdp.layouts)}
 
 
-def prepare_gspmd(model, loss_fn, units, batches, opt) -> dict:
-    mesh = make_mesh((DEVICES,), ("fsdp",))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    shardings = jax.tree.map(lambda x: NamedSharding(mesh, gspmd_spec(x.shape)), params)
-    params = jax.device_put(params, shardings)
-    # The model state (batch statistics, RNG streams) is replicated; jit's semantics are one device's.
-    rest_shardings = jax.tree.map(lambda x: NamedSharding(mesh, P()), rest)
-    rest = jax.device_put(rest, rest_shardings)
-    # Moments get their parameters' rule (same shapes); scalars (the step count) are replicated.
-    state_shapes = jax.eval_shape(opt.init, params)
-    state_shardings = jax.tree.map(lambda x: NamedSharding(mesh, gspmd_spec(x.shape)), state_shapes)
-    state = jax.jit(opt.init, out_shardings=state_shardings)(params)
-    data = NamedSharding(mesh, P("fsdp"))
-
-    def step(params, state, rest, x, y):
-        def loss_of(p):
-            m = nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest))  # Variables of this trace
-            out = loss_fn(m(x), y)
-            loss, _ = out if isinstance(out, tuple) else (out, None)
-            return loss, nnx.state(m, nnx.Not(nnx.Param))
-
-        (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, rest, loss
-
-    jitted = jax.jit(step, in_shardings=(shardings, state_shardings, rest_shardings, data, data),
-                     out_shardings=(shardings, state_shardings, rest_shardings, NamedSharding(mesh, P())),
-                     donate_argnums=(0, 1, 2))
+def prepare_gspmd(model, loss_fn, units, batches, opt, ours: FSDP) -> dict:
+    """GSPMD on ``ours``' mesh, data axes and tensor split (``experiments/_gspmd.py``)."""
+    jitted, (params, state, rest) = gspmd_step(model, loss_fn, opt, ours.mesh, axis=ours.axis,
+                                               data_axes=ours.data_axes, tensor=ours.tensor_parallel)
     x, y = batches[0]
     t0 = time.perf_counter()
     compiled = jitted.lower(params, state, rest, x, y).compile()
@@ -232,10 +234,13 @@ def summarize(model: str, name: str, r: dict, base: dict) -> dict:
         "reduce_scatter_ops": c["reduce-scatter"]["ops"],
         "all_reduce_bytes": c["all-reduce"]["bytes"], "all_reduce_ops": c["all-reduce"]["ops"],
         "other_collective_bytes": c["collective-permute"]["bytes"] + c["all-to-all"]["bytes"],
+        "other_collective_ops": c["collective-permute"]["ops"] + c["all-to-all"]["ops"],
         "dot_bytes": r["touched"]["dot"], "other_bytes": r["touched"]["other"],
         "temp_bytes": r["memory"]["temp"], "argument_bytes": r["memory"]["argument"],
         "padding_elements": r["padding"], "blocks_cut_32": r["blocks_cut_32"],
         "final_loss": r["losses"][-1],
+        # the same computation or not: the largest step loss gap to GSPMD's, over every step run
+        "max_loss_diff": max(abs(a - b) for a, b in zip(r["losses"], base["losses"], strict=True)),
     }
 
 
@@ -243,7 +248,8 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
     cols = list(rows[0])
     seq = {m: "" if m == "convnet" else f" x seq {meta['seq']}" for m in meta["models"]}
     models = "; ".join(f"{m}: {c}, batch {meta['batch'][m]}{seq[m]}" for m, c in meta["models"].items())
-    lines = [f"# ragged-fsdp JAX backend vs GSPMD FSDP ({meta['devices']} host CPU devices)", "",
+    mesh = " x ".join(f"{name} {n}" for name, n in meta["mesh"].items())
+    lines = [f"# ragged-fsdp JAX backend vs GSPMD ({meta['devices']} host CPU devices, mesh {mesh})", "",
              f"Models: {models}. AdamW. Per model, {meta['rounds']} rounds of {meta['steps_per_round']} "
              "steps per program, round-robin with a rotating order; the first "
              f"{meta['warmup']} rounds are warm-up and not counted. jax {meta['jax']}, {meta['cpus']} CPUs "
@@ -255,7 +261,8 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
              "program, i.e. per device per step. `dot_bytes` / `other_bytes`: bytes read plus written per "
              "device per step by the program's dots and by every other op (copies, slices, concatenates, "
              "element-wise fusions, collectives), as XLA's cost analysis counts them. Memory: "
-             "`memory_analysis()`.", "",
+             "`memory_analysis()`. `max_loss_diff`: the largest |loss - GSPMD's loss| over all steps. Load "
+             f"average (1, 5, 15 min) at the start {meta['load_start']}, at the end {meta['load_end']}.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = (f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values())
@@ -264,6 +271,8 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
     path.write_text("\n".join(lines))
 
 
+# The cases of ``--tensor``: the llama with TENSOR_RULES, the transformer with its annotations.
+TENSOR_MODELS = ("llama-small", "transformer")
 # A wider llama than llama-tiny (4x the parameters), still seconds to compile and ~0.1 s a step on CPU.
 LLAMA_SMALL = LlamaConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
                           ffn_dim=352)
@@ -363,22 +372,25 @@ def image_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def bench_model(name: str, model, loss_fn, batches: list[tuple], args, units, extra: bool
+def bench_model(name: str, model, loss_fn, batches: list[tuple], args, units, extra: bool, axes: Axes
                 ) -> tuple[list[dict], dict]:
     """All runs of one model, round-robin; returns its table rows and raw measurements."""
     opt = optax.adamw(1e-3, weight_decay=0.1)
-    runs = {"gspmd": prepare_gspmd(model, loss_fn, units, batches, opt),
-            "ours": prepare_ours(model, loss_fn, batches, opt),
-            "ours_reshard": prepare_ours(model, loss_fn, batches, opt, reshard_after_forward=True),
-            "ours_remat": prepare_ours(model, loss_fn, batches, opt, remat=True)}
+    ours = {"ours": prepare_ours(model, loss_fn, batches, opt, axes),
+            "ours_reshard": prepare_ours(model, loss_fn, batches, opt, axes, reshard_after_forward=True),
+            "ours_remat": prepare_ours(model, loss_fn, batches, opt, axes, remat=True)}
     if extra:
-        runs["ours_rows32"] = prepare_ours(model, loss_fn, batches, opt, granularity=rows32)
+        ours["ours_rows32"] = prepare_ours(model, loss_fn, batches, opt, axes, granularity=rows32)
+    # GSPMD splits the same tensor dims as ours (its blocks cut are counted on the 1-D mesh only)
+    runs = {"gspmd": prepare_gspmd(model, loss_fn, units if axes == Axes() else None, batches, opt,
+                                   ours["ours"]["fsdp"]), **ours}
     train_round_robin(runs, batches, args.rounds, args.warmup)
-    raw = {k: {f: v for f, v in r.items() if f not in ("compiled", "run", "carry")} for k, r in runs.items()}
+    raw = {k: {f: v for f, v in r.items() if f not in ("fsdp", "compiled", "run", "carry")}
+           for k, r in runs.items()}
     return [summarize(name, k, v, raw["gspmd"]) for k, v in raw.items()], raw
 
 
-def statements_for(rows: list[dict], raw: dict, units) -> list[str]:
+def statements_for(rows: list[dict], raw: dict, units, axes: Axes) -> list[str]:
     g, o, rs, rm = rows[:4]
     m = g["model"]
     met = o["ratio_median"] <= 1 and sum(o[k] for k in _COMM) <= sum(g[k] for k in _COMM)
@@ -402,14 +414,13 @@ def statements_for(rows: list[dict], raw: dict, units) -> list[str]:
         f"({o['all_gather_ops'] + o['reduce_scatter_ops'] + o['all_reduce_ops']} ops) vs GSPMD "
         f"{sum(g[k] for k in _COMM)} B ({g['all_gather_ops'] + g['reduce_scatter_ops'] + g['all_reduce_ops']}"
         " ops).",
+        f"- **{m}, collective ops** per step (all-gather, reduce-scatter, all-reduce, other): "
+        + "; ".join(f"{r['run']} {r['all_gather_ops']}, {r['reduce_scatter_ops']}, {r['all_reduce_ops']}, "
+                    f"{r['other_collective_ops']}" for r in (g, o, rs, rm)) + ".",
         f"- **{m}, bytes touched** per device per step by ops other than dots: GSPMD {g['other_bytes']} B, "
         + ", ".join(f"{r['run']} {r['other_bytes']} B ({r['other_bytes'] / g['other_bytes'] - 1:+.1%})"
                     for r in (o, rs, rm))
         + f"; by the dots {g['dot_bytes']} B in GSPMD, {o['dot_bytes']} B in ours.",
-        f"- **{m}, target** (median per-round step ratio <= 1 and no more collective bytes in all): "
-        f"{'met' if met else 'NOT met'} in this run. The all-gathered bytes alone are "
-        f"{100 * (o['all_gather_bytes'] / g['all_gather_bytes'] - 1):+.2f}% of GSPMD's (the planner's "
-        f"{o['padding_elements']} padding elements); GSPMD instead all-reduces every full gradient.",
         f"- **{m}, step ratio <= 1 and temporary memory <= GSPMD's**: ours {verdict['ours']} "
         f"({o['ratio_median']:.3f}, {o['temp_bytes']} B), resharded after forward {verdict['ours_reshard']} "
         f"({rs['ratio_median']:.3f}, {rs['temp_bytes']} B), with remat {verdict['ours_remat']} "
@@ -417,8 +428,14 @@ def statements_for(rows: list[dict], raw: dict, units) -> list[str]:
         f"- {m}: compile ours {o['compile_s']:.2f} s vs GSPMD {g['compile_s']:.2f} s; compiled temp memory "
         f"ours {o['temp_bytes']} B, resharded after forward {rs['temp_bytes']} B, with remat "
         f"{rm['temp_bytes']} B, GSPMD {g['temp_bytes']} B; {agree} (largest relative gap of the three "
-        f"runs {loss_gap:.2e}).",
+        f"runs {loss_gap:.2e}, absolute {max(r['max_loss_diff'] for r in (o, rs, rm)):.2e}).",
     ]
+    if axes == Axes():  # the FSDP-only comparison: ours reduce-scatters where GSPMD all-reduces
+        out.insert(4, f"- **{m}, target** (median per-round step ratio <= 1 and no more collective bytes in "
+                   f"all): {'met' if met else 'NOT met'} in this run. The all-gathered bytes alone are "
+                   f"{100 * (o['all_gather_bytes'] / g['all_gather_bytes'] - 1):+.2f}% of GSPMD's (the "
+                   f"planner's {o['padding_elements']} padding elements); GSPMD instead all-reduces every "
+                   "full gradient.")
     if len(rows) > 4:
         cut, total = blocks_cut_by_gspmd(units)
         r32 = rows[4]
@@ -437,17 +454,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="experiments/results")
     p.add_argument("--eigen-threads", action="store_true",
                    help="keep XLA:CPU's intra-op thread pool (read at import); writes jax_vs_gspmd_eigen.*")
-    p.add_argument("--stem", help="results file name (default jax_vs_gspmd, or jax_vs_gspmd_eigen)")
-    p.add_argument("--models", default="llama-tiny,llama-small,moe,convnet",
-                   help="comma-separated, of the default")
+    p.add_argument("--stem", help="results file name (default jax_vs_gspmd with _replicaR, _tensorT, _eigen "
+                                  "as set)")
+    p.add_argument("--tensor", type=int, default=1, help="size of a tensor mesh axis (1: none)")
+    p.add_argument("--replica", type=int, default=1, help="size of a replica mesh axis, HSDP (1: none)")
+    p.add_argument("--models", help="comma-separated, of llama-tiny, llama-small, moe, convnet, transformer "
+                                    f"(default: the first four; with --tensor {','.join(TENSOR_MODELS)})")
+    p.add_argument("--transformer", default="512,128,4,512,4",
+                   help="the transformer's vocab, dim, heads, hidden, blocks")
     args = p.parse_args(argv)
+    axes = Axes(args.replica, args.tensor)
     assert jax.device_count() >= DEVICES, f"needs {DEVICES} devices, found {jax.device_count()}"
+    vocab, dim, heads, hidden, blocks = map(int, args.transformer.split(","))
     models = {"llama-tiny": (LLAMA_TINY, 32, True), "llama-small": (LLAMA_SMALL, 16, False),
               "moe": ("MoE(vocab 512, dim 96, hidden 160, 4 experts, 4 blocks, tied head)", 16, False),
               "convnet": ("ConvNet(16 x 16 x 3 images, 64 channels, 4 blocks with BatchNorm and Dropout 0.1, "
-                          "sync BN)", 32, False)}
-    models = {m: models[m] for m in args.models.split(",")}
+                          "sync BN)", 32, False),
+              "transformer": (f"flax layers with nnx.with_partitioning annotations (vocab {vocab}, dim "
+                              f"{dim}, {heads} heads, hidden {hidden}, {blocks} blocks)", 16, False)}
+    tensor_mode = axes.tensor_axis is not None
+    names = (args.models or ",".join(TENSOR_MODELS if tensor_mode else
+                                     ["llama-tiny", "llama-small", "moe", "convnet"])).split(",")
+    if tensor_mode and not set(names) <= {"llama-tiny", "llama-small", "transformer"}:
+        p.error(f"--tensor runs the models with a tensor split (llamas, transformer), not {names}")
+    # the 32-row tiling run is one of the FSDP-only comparison
+    models = {m: (*models[m][:2], models[m][2] and axes == Axes()) for m in names}
     rows, raw, statements = [], {}, []
+    load_start = os.getloadavg()
     steps = args.rounds * args.steps_per_round
     for name, (config, batch, extra) in models.items():
         units = None
@@ -456,21 +489,26 @@ def main(argv: list[str] | None = None) -> None:
             batches = token_batches(steps, batch, args.seq, 512)
         elif name == "convnet":
             model, loss_fn, batches = ConvNet(rngs=nnx.Rngs(0)), image_loss, image_batches(steps, batch)
+        elif name == "transformer":
+            model = make_transformer(vocab=vocab, dim=dim, heads=heads, hidden=hidden, blocks=blocks)
+            loss_fn, batches = cross_entropy, token_batches(steps, batch, args.seq, vocab)
         else:
             model, loss_fn = Llama(config, rngs=nnx.Rngs(0)), cross_entropy
             batches = token_batches(steps, batch, args.seq, config.vocab_size)
             units = llama_shapes(name, config).units
-        model_rows, raw[name] = bench_model(name, model, loss_fn, batches, args, units, extra)
+        model_rows, raw[name] = bench_model(name, model, loss_fn, batches, args, units, extra, axes)
         rows += model_rows
-        statements += statements_for(model_rows, raw[name], units)
+        statements += statements_for(model_rows, raw[name], units, axes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"devices": DEVICES, "models": {m: str(c) for m, (c, _, _) in models.items()},
             "batch": {m: b for m, (_, b, _) in models.items()}, "seq": args.seq, "rounds": args.rounds,
             "steps_per_round": args.steps_per_round, "warmup": args.warmup, "jax": jax.__version__,
             "cpus": len(os.sched_getaffinity(0)), "xla_flags": os.environ["XLA_FLAGS"].strip(),
+            "mesh": dict(axes.mesh().shape), "load_start": load_start, "load_end": os.getloadavg(),
             "statements": statements}
-    stem = args.stem or ("jax_vs_gspmd_eigen" if EIGEN_THREADS else "jax_vs_gspmd")
+    parts = [f"replica{axes.replica}"] * (axes.replica > 1) + [f"tensor{axes.tensor}"] * tensor_mode
+    stem = args.stem or "_".join(["jax_vs_gspmd", *parts, *["eigen"] * EIGEN_THREADS])
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
     write_markdown(out / f"{stem}.md", rows, meta)
     print((out / f"{stem}.md").read_text())

@@ -21,7 +21,16 @@ the root, the rule a user applies to their own model). ``reshard_after_forward=T
   both (sharded parameters, gradients and AdamW state on the host). On CPU the row is skipped, saying
   so: offloading to the host from the host moves nothing, and RSS cannot tell device memory apart.
 
+With ``--tp 2`` both models run on a ``(dp, tp) = (world / 2, 2)`` mesh, tensor parallelism first and
+FSDP on ``mesh["dp"]`` after (torchtitan's order), on both runtimes: the project llama with
+``apply_tensor_parallel`` (torchtitan's llama3 plan, sequence parallel included), the HF Llama with
+``apply_hf_llama_tensor_parallel``; the TP ranks of a dp rank share its batch. Copies are then counted
+above the TP-only model's own (TP's redistributions copy too, alike under both runtimes), and FSDP2's
+copy-in/out (its ``fsdp::`` ops) get a row of their own; the collective rows stay FSDP's, on the dp
+mesh. No compiled row with TP.
+
     python -m experiments.torch_vs_fsdp2     # writes experiments/results/torch_vs_fsdp2.{json,md}
+    python -m experiments.torch_vs_fsdp2 --tp 2 --no-compiled   # experiments/results/torch_vs_fsdp2_tp2.*
     python -m experiments.torch_vs_fsdp2 --device cuda --world 1 --model llama3.2-1b --dtype bf16 \
         --batch 4 --seq 2048 --out gpu_torch_vs_fsdp2     # one GPU, NCCL (experiments/gpu_bench.sh)
 """
@@ -35,6 +44,7 @@ import os
 import resource
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -46,6 +56,7 @@ from ragged.models import LlamaConfig, flops_per_token, trained_llama, trained_m
 
 # The run's settings; ``--world/--model/--batch/--seq/--device/--dtype`` replace them (in every worker).
 WORLD = 4
+TP = 1  # the tensor-parallel degree: > 1 runs on a (dp, tp) mesh (--tp)
 CONFIG = LlamaConfig(vocab_size=8192, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, head_dim=32, ffn_dim=704)
 BATCH, SEQ = 4, 64  # per rank
 DEVICE, DTYPE = "cpu", "fp32"
@@ -65,6 +76,7 @@ class Meter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.copy_bytes = 0
+        self.copy_bytes_by_op: Counter = Counter()  # the same bytes, per op name
         self.comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -80,13 +92,15 @@ class Meter(TorchDispatchMode):
                 self.comm["all_reduce"] += _nbytes(args[0])
         elif Meter.depth == 0 and (ns == "fsdp" or name in _COPY_OPS):
             if name == "all_gather_copy_in":  # FSDP2's copy-in writes the all-gather input (out[0])
-                self.copy_bytes += _nbytes(out[0])
+                nbytes = _nbytes(out[0])
             elif "out" in kwargs:
-                self.copy_bytes += _nbytes(kwargs["out"])
+                nbytes = _nbytes(kwargs["out"])
             elif name.endswith("_"):
-                self.copy_bytes += _nbytes(args[0])
+                nbytes = _nbytes(args[0])
             else:
-                self.copy_bytes += _nbytes(out)
+                nbytes = _nbytes(out)
+            self.copy_bytes += nbytes
+            self.copy_bytes_by_op[f"{ns}::{name}"] += nbytes
         return out
 
 
@@ -156,6 +170,9 @@ def _build(name: str, kind: str, mesh, offload: bool = False):
     from torch_backend.models import parallelize
 
     model = _plain(name)
+    if TP > 1:  # TP first, then FSDP on the data-parallel dim (torchtitan's order)
+        _tensor_parallel(name, model, mesh)
+        mesh = mesh["dp"]
     dtypes = (torch.bfloat16, torch.float32) if DTYPE == "bf16" else (None, None)
     ours = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(*dtypes))
     theirs = dict(mesh=mesh, mp_policy=FSDP2Policy(*dtypes))
@@ -175,6 +192,20 @@ def _build(name: str, kind: str, mesh, offload: bool = False):
             shard(layer, **kwargs)
         shard(model, **kwargs)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _tensor_parallel(name: str, model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """Split ``model``'s weights over ``mesh["tp"]`` with its TP plan, the logits gathered as the results
+    were measured (loss parallel changes ours and FSDP2 + TP alike)."""
+    from torch_backend.models import apply_hf_llama_tensor_parallel, apply_tensor_parallel
+
+    plan = apply_tensor_parallel if name == "llama" else apply_hf_llama_tensor_parallel
+    return plan(model, mesh["tp"], loss_parallel=False)
+
+
+def _batch_rank(mesh) -> int:
+    """Whose rows this rank trains on: its own, or under TP its dp rank's (its TP ranks share them)."""
+    return mesh.get_local_rank("dp") if TP > 1 else dist.get_rank()
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,29 +250,33 @@ def _metered(fn) -> Meter:
     return meter
 
 
-def _timing(name: str, rank: int, mesh, warmup: int, steps: int) -> dict:
+def _timing(name: str, mesh, warmup: int, steps: int) -> dict:
     from torch_backend import debug_counter
 
     runs = {kind: _build(name, kind, mesh) for kind in ("fsdp2", "ours")}
+    rows = _batch_rank(mesh)
     out = {kind: {"step_s": [], "fwd_bwd_s": [], "losses": []} for kind in runs}
     for step in range(warmup + steps):
         for kind, (model, opt) in runs.items():  # alternate, so both see the same load
             dist.barrier()
             t0 = time.perf_counter()
-            loss, fwd_bwd = _step(model, opt, step, rank)
+            loss, fwd_bwd = _step(model, opt, step, rows)
             elapsed = time.perf_counter() - t0
             out[kind]["losses"].append(loss)
             if step >= warmup:
                 out[kind]["step_s"].append(elapsed)
                 out[kind]["fwd_bwd_s"].append(fwd_bwd)
     # Copies and communication of one more step each (the meter slows ops down, so it is not timed).
-    plain = _plain(name)
-    x, y = _batch(0, rank)
-    intrinsic = _metered(lambda: _loss(plain, x, y).backward()).copy_bytes
+    plain = _tensor_parallel(name, _plain(name), mesh) if TP > 1 else _plain(name)
+    x, y = _batch(warmup + steps, rows)
+    model_meter = _metered(lambda: _loss(plain, x, y).backward())
+    intrinsic = model_meter.copy_bytes
     for kind, (model, opt) in runs.items():
         with debug_counter() as counter:
-            meter = _metered(lambda m=model, o=opt: _step(m, o, warmup + steps, rank))
+            meter = _metered(lambda m=model, o=opt: _step(m, o, warmup + steps, rows))
+        by_op = {op: n - model_meter.copy_bytes_by_op[op] for op, n in meter.copy_bytes_by_op.items()}
         out[kind] |= {"copy_bytes": meter.copy_bytes - intrinsic, "comm_bytes": meter.comm,
+                      "copy_bytes_by_op": {op: n for op, n in by_op.items() if n},
                       "model_copy_bytes": intrinsic}
         if kind == "ours":
             calls = {f"{k}:{u}": n for (k, u), n in counter.calls.items()}
@@ -280,7 +315,7 @@ def _compiled(rank: int, mesh, warmup: int, steps: int) -> dict:
 
 
 def _memory(name: str, kind: str, mesh, steps: int, offload: bool = False) -> dict:
-    rank = dist.get_rank()
+    rows = _batch_rank(mesh)
     if name != "llama":
         _plain(name)  # imports (transformers) before the baseline, so the memory counts the model only
     base = torch.cuda.memory_allocated() if DEVICE == "cuda" else _rss_bytes()
@@ -288,7 +323,7 @@ def _memory(name: str, kind: str, mesh, steps: int, offload: bool = False) -> di
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
-        _step(model, opt, step, rank)
+        _step(model, opt, step, rows)
         times.append(time.perf_counter() - t0)
     if DEVICE == "cuda":
         return {"peak_rss_above_baseline": torch.cuda.max_memory_allocated() - base,
@@ -315,9 +350,10 @@ def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: in
     import torch_backend  # noqa: F401  (imported before _mark_collectives wraps torch.distributed, as in the recorded runs)
 
     _mark_collectives()
-    mesh = init_device_mesh(DEVICE, (WORLD,))
+    mesh = (init_device_mesh(DEVICE, (WORLD // TP, TP), mesh_dim_names=("dp", "tp")) if TP > 1
+            else init_device_mesh(DEVICE, (WORLD,)))
     if mode == "timing":
-        result = _timing(name, rank, mesh, warmup, steps)
+        result = _timing(name, mesh, warmup, steps)
     elif mode == "compiled":
         result = _compiled(rank, mesh, warmup, steps)
     else:
@@ -327,21 +363,22 @@ def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: in
 
 def _launch(name: str, mode: str, kind: str, warmup: int, steps: int) -> list[dict]:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the workers: big frees leave the RSS
-    setup = dict(WORLD=WORLD, CONFIG=CONFIG, BATCH=BATCH, SEQ=SEQ, DEVICE=DEVICE, DTYPE=DTYPE)
+    setup = dict(WORLD=WORLD, TP=TP, CONFIG=CONFIG, BATCH=BATCH, SEQ=SEQ, DEVICE=DEVICE, DTYPE=DTYPE)
     return spawn_ranks(WORLD, _worker, name, mode, kind, warmup, steps, setup)
 
 
 def _summary(timing: list[dict], memory: dict[str, list[dict]]) -> dict:
-    out = {"world": WORLD, "config": CONFIG.__dict__, "batch_per_rank": [BATCH, SEQ],
+    out = {"world": WORLD, "tp": TP, "config": CONFIG.__dict__, "batch_per_rank": [BATCH, SEQ],
            "torch": torch.__version__, "device": DEVICE, "dtype": DTYPE,
            "device_name": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
-           "tokens_per_step": WORLD * BATCH * SEQ, "flops_per_token": flops_per_token(CONFIG, SEQ)}
+           "tokens_per_step": WORLD // TP * BATCH * SEQ, "flops_per_token": flops_per_token(CONFIG, SEQ)}
     for kind in ("fsdp2", "ours"):
         r0 = timing[0][kind]
         out[kind] = {
             "median_step_s": statistics.median(r0["step_s"]),
             "median_fwd_bwd_s": statistics.median(r0["fwd_bwd_s"]),
             "copy_bytes_per_step": max(t[kind]["copy_bytes"] for t in timing),
+            "copy_bytes_by_op": r0["copy_bytes_by_op"],
             "all_gather_bytes_per_step": r0["comm_bytes"]["all_gather"],
             "reduce_scatter_bytes_per_step": r0["comm_bytes"]["reduce_scatter"],
             "all_reduce_bytes_per_step": r0["comm_bytes"]["all_reduce"],
@@ -408,34 +445,55 @@ def _offload_table(s: dict) -> str:
 
 
 def _markdown(s: dict) -> str:
-    text = _table(s, "project llama; wraps tok_embeddings, each block, [norm, output], root")
+    tp = s["tp"] > 1
+    text = _table(s, "project llama; " + ("torchtitan's llama3 TP plan (`apply_tensor_parallel`, sequence "
+                                          "parallel), then " if tp else "")
+                  + "wraps tok_embeddings, each block, [norm, output], root")
     text += _compiled_table(s) + _offload_table(s)
     if "hf_llama" in s:
         text += ("\n## HuggingFace LlamaForCausalLM (untied), the same shapes\n\n"
                  + _table(s["hf_llama"], "transformers LlamaForCausalLM (tie_word_embeddings=False, sdpa); "
-                          "wraps each decoder layer and the root", heading=False))
+                          + ("torchtitan-style TP plan (`apply_hf_llama_tensor_parallel`, no sequence "
+                             "parallel), then " if tp else "")
+                          + "wraps each decoder layer and the root", heading=False))
+    if "load_average" in s:
+        load = {k: ", ".join(f"{x:.1f}" for x in v) for k, v in s["load_average"].items() if k != "cpus"}
+        text += (f"\nMachine load (1, 5, 15-minute load averages) at the start: {load['start']}, at the end: "
+                 f"{load['end']}, on {s['load_average']['cpus']} CPUs. The two runtimes alternate step by "
+                 "step, so both see the same load, but a loaded machine makes the step times and their ratio "
+                 "noisy.\n")
     return text
+
+
+def _fsdp_copy_bytes(r: dict) -> int:
+    """Bytes FSDP2's own copy ops wrote in the metered step (copy-in, copy-out, the gradients' ``chunk_cat``):
+    the ``fsdp::`` ops of the meter's per-op count (rank 0)."""
+    return sum(n for op, n in r["copy_bytes_by_op"].items() if op.startswith("fsdp::"))
 
 
 def _table(s: dict, model: str, heading: bool = True) -> str:
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+    tp = s["tp"] > 1
     rows = [
         ("median step time (fwd+bwd+AdamW)", lambda r: f"{r['median_step_s'] * 1e3:.1f} ms"),
         ("median forward+backward", lambda r: f"{r['median_fwd_bwd_s'] * 1e3:.1f} ms"),
         ("bytes copied outside collectives / step", lambda r: f"{r['copy_bytes_per_step']:,}"),
+        *([("of which FSDP2's copy-in/out (`fsdp::` ops)", lambda r: f"{_fsdp_copy_bytes(r):,}")]
+          if tp else []),
         ("all-gather bytes / step (padding incl.)", lambda r: f"{r['all_gather_bytes_per_step']:,}"),
         ("reduce-scatter bytes / step (padding incl.)", lambda r: f"{r['reduce_scatter_bytes_per_step']:,}"),
         ("peak memory per rank (RSS above baseline)",
          lambda r: ", ".join(mib(b) for b in r["peak_memory_bytes_per_rank"])),
     ]
     c = s["config"]
+    mesh = f"mesh (dp {s['world'] // s['tp']}, tp {s['tp']}), " if tp else ""
     lines = [
-        *([f"# ragged-fsdp `fully_shard` vs PyTorch FSDP2 ({s['world']} "
-            f"{'NCCL' if s['device'] == 'cuda' else 'gloo'} processes, {s['device_name']}, {s['dtype']})",
-            ""] if heading else []),
+        *([f"# ragged-fsdp `fully_shard` vs PyTorch FSDP2{' + TP' if tp else ''} ({s['world']} "
+            f"{'NCCL' if s['device'] == 'cuda' else 'gloo'} processes, {mesh}{s['device_name']}, "
+            f"{s['dtype']})", ""] if heading else []),
         f"torch {s['torch']}; {model}; vocab {c['vocab_size']}, dim {c['dim']}, {c['n_layers']} layers, "
         f"{c['n_heads']} heads ({c['n_kv_heads']} kv), ffn {c['ffn_dim']}; batch {s['batch_per_rank'][0]} x "
-        f"{s['batch_per_rank'][1]} tokens per rank; reshard_after_forward=True; AdamW.",
+        f"{s['batch_per_rank'][1]} tokens per {'dp ' if tp else ''}rank; reshard_after_forward=True; AdamW.",
         "",
         "| metric | FSDP2 | ours |",
         "|---|---|---|",
@@ -446,9 +504,16 @@ def _table(s: dict, model: str, heading: bool = True) -> str:
         f"Largest loss difference between the two runs: {s['max_loss_difference']:.2e}.",
         "",
         f"Copy bytes are counted by a dispatch-mode meter (copy ops outside collective calls) minus the "
-        f"{s['model_copy_bytes_subtracted']:,} bytes the plain model itself copies in one forward+backward. "
+        f"{s['model_copy_bytes_subtracted']:,} bytes the {'TP-only' if tp else 'plain'} model itself copies "
+        "in one forward+backward. "
         "Ours lands gradients by autograd's in-place accumulation into a zeroed gradient buffer (a fill "
         "and an add, no copy); FSDP2 steals each gradient and copies it into the reduce-scatter input.",
+        *(["", "With TP, FSDP2's copies beyond its `fsdp::` ops are DTensor redistributions of gradients "
+           "whose placement is not the parameter's (the vocabulary-split embedding's gradient comes back "
+           "replicated; FSDP2 redistributes it, which slices and clones this rank's rows). Ours makes the "
+           "same redistribution inside the in-place add that lands that gradient: a DTensor op, whose local "
+           "copies the dispatch-mode meter does not see (torch.profiler shows the same `aten::clone` in "
+           "both)."] if tp else []),
         "",
         "Debug counter of ours for the metered step: "
         f"`{json.dumps(s['ours']['debug_counter']['bytes'])}`, copy bytes "
@@ -462,6 +527,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--world", type=int, default=WORLD)
+    parser.add_argument("--tp", type=int, default=TP,
+                        help="tensor-parallel degree: > 1 runs TP then FSDP on a (world / tp, tp) mesh")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", choices=trained_model_names(), help="default: the llama above")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
@@ -471,14 +538,20 @@ def main() -> None:
                         help="comma-separated subset of: " + ", ".join(MODELS))
     parser.add_argument("--no-compiled", dest="compiled", action="store_false",
                         help="skip the torch.compile rows (inductor compiles for minutes on CPU)")
-    parser.add_argument("--out", default="torch_vs_fsdp2",
-                        help="results file stem, under experiments/results unless it is a path")
+    parser.add_argument("--out", help="results file stem, under experiments/results unless it is a path "
+                                      "(default: torch_vs_fsdp2, with --tp N: torch_vs_fsdp2_tpN)")
     args = parser.parse_args()
     if "llama" not in args.models.split(",") or not set(args.models.split(",")) <= set(MODELS):
         parser.error(f"--models must include llama and name only {MODELS}, got {args.models!r}")
+    if args.tp < 1 or args.world % args.tp or args.seq % args.tp:
+        parser.error(f"--tp {args.tp} must divide --world {args.world} and --seq {args.seq} (sequence "
+                     "parallel splits the sequence)")
+    if args.tp > 1 and args.compiled:
+        parser.error("--tp > 1 has no compiled rows: pass --no-compiled")
     config = trained_llama(args.model)[0] if args.model else CONFIG
-    _configure(dict(WORLD=args.world, CONFIG=config, BATCH=args.batch, SEQ=args.seq, DEVICE=args.device,
-                    DTYPE=args.dtype))
+    _configure(dict(WORLD=args.world, TP=args.tp, CONFIG=config, BATCH=args.batch, SEQ=args.seq,
+                    DEVICE=args.device, DTYPE=args.dtype))
+    load_start = os.getloadavg()
     t0 = time.perf_counter()
     summaries = {}
     for name in args.models.split(","):
@@ -490,7 +563,9 @@ def main() -> None:
     summaries["llama"]["offload"] = _offload(args.warmup)
     summary = summaries["llama"] | {name: summaries[name] for name in summaries if name != "llama"}
     summary["wall_s"] = time.perf_counter() - t0
-    out = Path(args.out) if "/" in args.out else RESULTS / args.out
+    summary["load_average"] = {"start": load_start, "end": os.getloadavg(), "cpus": os.cpu_count()}
+    stem = args.out or ("torch_vs_fsdp2" + (f"_tp{args.tp}" if args.tp > 1 else ""))
+    out = Path(stem) if "/" in stem else RESULTS / stem
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_name(out.name + ".json").write_text(json.dumps(summary, indent=1))
     out.with_name(out.name + ".md").write_text(_markdown(summary))

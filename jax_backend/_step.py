@@ -230,7 +230,14 @@ class FSDP:
         optimizer = self.shard_optimizer(optimizer)
         specs = self._state_specs(optimizer)
         init = self._shard_map(optimizer.init, in_specs=(self._buffer_specs(),), out_specs=specs)
-        return jax.jit(init)(dict(buffers))
+        if self.tensor_parallel is None:
+            return jax.jit(init)(dict(buffers))
+        # The specs leave dim 0 (tensor) to XLA, which replicates moments made from no input over it (T
+        # copies, and a step compiled for them would not take the state it returns): place them as the
+        # buffers, as the step does.
+        shardings = jax.tree.map(lambda s: self.buffer_sharding() if s == self._buffer_spec
+                                 else NamedSharding(self.mesh, s), specs)
+        return jax.jit(init, out_shardings=shardings)(dict(buffers))
 
     def unit_initializer(self, make: Callable[[], Any], unit: str) -> Callable[[], jax.Array]:
         """A jitted ``() -> buffer`` of one unit, sharded like the buffers. ``make()`` (the model's

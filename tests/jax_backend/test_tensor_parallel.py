@@ -3,7 +3,9 @@
 
 Two models: the project's llama split by ``jax_backend.models.TENSOR_RULES``, and a transformer written
 with flax's own layers (``nnx.Embed``, ``nnx.MultiHeadAttention``, ``nnx.Linear``, ``nnx.LayerNorm``) whose
-weights carry ``nnx.with_partitioning`` annotations, as flax's sharding guide writes them.
+weights carry ``nnx.with_partitioning`` annotations, as flax's sharding guide writes them
+(``experiments/_flax_transformer.py``, which the benchmark runs too). The GSPMD baseline is the benchmark's
+(``experiments/_gspmd.py``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from experiments._flax_transformer import Transformer, annotated, make_transformer
+from experiments._gspmd import gspmd_step
 from jax_backend import (
     TensorParallelError,
     UnsupportedOptimizerError,
+    flatten_params,
     load_neutral_checkpoint,
     make_mesh,
     save_neutral_checkpoint,
@@ -44,58 +48,6 @@ def _mesh(name: str):
     return make_mesh(shape, names), replica
 
 
-# ----- a model the project did not write: flax's layers with their own partitioning annotations ---------
-LECUN, ZEROS = nnx.initializers.lecun_normal(), nnx.initializers.zeros
-
-
-def _split(spec: tuple, init=LECUN):
-    return nnx.with_partitioning(init, spec)
-
-
-class Block(nnx.Module):
-    """Pre-norm attention and MLP, Megatron's split written as flax annotations: q/k/v and the first MLP
-    layer split their output heads / features, the attention output and the second MLP layer their input."""
-
-    def __init__(self, dim: int, heads: int, hidden: int, *, rngs: nnx.Rngs):
-        self.norm1, self.norm2 = nnx.LayerNorm(dim, rngs=rngs), nnx.LayerNorm(dim, rngs=rngs)
-        # no biases: the key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by
-        # all keys), and AdamW would turn its rounding noise into full steps in either run
-        self.attn = nnx.MultiHeadAttention(
-            heads, dim, kernel_init=_split((None, "tensor", None)),
-            out_kernel_init=_split(("tensor", None, None)), use_bias=False, decode=False, keep_rngs=False,
-            rngs=rngs)
-        # the data axis in an annotation, as MaxText writes ("fsdp", "tensor"): the ragged buffers shard it
-        self.up = nnx.Linear(dim, hidden, kernel_init=_split(("fsdp", "tensor")),
-                             bias_init=_split(("tensor",), ZEROS), rngs=rngs)
-        self.down = nnx.Linear(hidden, dim, kernel_init=_split(("tensor", None)), rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        mask = nnx.make_causal_mask(x[..., 0])
-        x = x + self.attn(self.norm1(x), mask=mask)
-        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
-
-
-class Transformer(nnx.Module):
-    def __init__(self, vocab: int = 128, dim: int = 32, heads: int = 4, hidden: int = 96, blocks: int = 2, *,
-                 rngs: nnx.Rngs):
-        vocab_split = _split(("tensor", None), nnx.initializers.normal(1.0))
-        self.embed = nnx.Embed(vocab, dim, embedding_init=vocab_split, rngs=rngs)
-        self.blocks = nnx.List([Block(dim, heads, hidden, rngs=rngs) for _ in range(blocks)])
-        self.norm = nnx.LayerNorm(dim, rngs=rngs)
-        self.head = nnx.Linear(dim, vocab, kernel_init=_split((None, "tensor")), rngs=rngs)
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-
-
-def make_transformer(**kw) -> Transformer:
-    with nnx.use_eager_sharding(False):  # one device's arrays; the annotations stay as metadata
-        return Transformer(rngs=nnx.Rngs(0), **kw)
-
-
 @pytest.fixture(scope="module")
 def transformer() -> Transformer:
     return make_transformer()
@@ -113,42 +65,16 @@ def nnx_reference(model: nnx.Module, data: np.ndarray) -> tuple[list[float], dic
 
 # ----- GSPMD on the same mesh and split: the baseline ---------------------------------------------------
 def gspmd_train(model: nnx.Module, fsdp, data: np.ndarray) -> tuple[list[float], dict]:
-    """``jit`` with NamedShardings: each parameter on the tensor axis as ``fsdp.tensor_parallel`` splits
-    it, and on the fsdp axis along its largest other dim that fsdp divides (replicated over replicas); the
-    batch over the data axes; AdamW on the full pytree."""
-    mesh, tp = fsdp.mesh, fsdp.tensor_parallel
-    graphdef, params = nnx.split(model, nnx.Param)
-
-    def spec(name: str, shape: tuple[int, ...]) -> P:
-        entries = [None] * len(shape)
-        if tp.dim(name) is not None:
-            entries[tp.dim(name)] = tp.axis
-        n = mesh.shape[fsdp.axis]
-        free = sorted((d for d in range(len(shape)) if entries[d] is None and shape[d] % n == 0),
-                      key=lambda d: -shape[d])
-        if free:
-            entries[free[0]] = fsdp.axis
-        return P(*entries)
-
-    names = iter(model_params(model))
-    shardings = jax.tree.map(lambda a: NamedSharding(mesh, spec(next(names), a.shape)), params)
-    opt = adamw()
-    params = jax.device_put(params, shardings)
-    state = jax.jit(opt.init)(params)
-
-    def step(p, s, x, y):
-        loss, grads = jax.value_and_grad(lambda q: cross_entropy(nnx.merge(graphdef, q)(x), y))(p)
-        updates, s = opt.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    batch = NamedSharding(mesh, P(fsdp.data_axes))
-    jitted = jax.jit(step, in_shardings=(shardings, None, batch, batch),
-                     out_shardings=(shardings, None, None))
+    """``experiments._gspmd``'s jitted step (each parameter on the tensor axis as ``fsdp.tensor_parallel``
+    splits it, on the fsdp axis along its largest other dim that fsdp divides, replicated over replicas;
+    the batch over the data axes; AdamW on the full pytree), trained on ``data``."""
+    step, carry = gspmd_step(model, cross_entropy, adamw(), fsdp.mesh, axis=fsdp.axis,
+                             data_axes=fsdp.data_axes, tensor=fsdp.tensor_parallel)
     losses = []
     for b in data:
-        params, state, loss = jitted(params, state, b[:, :-1], b[:, 1:])
+        *carry, loss = step(*carry, b[:, :-1], b[:, 1:])
         losses.append(float(loss))
-    return losses, {k: np.asarray(v) for k, v in model_params(nnx.merge(graphdef, params)).items()}
+    return losses, {k: np.asarray(v) for k, v in flatten_params(carry[0]).items()}
 
 
 # ----- training equals one device and GSPMD ------------------------------------------------------------
@@ -202,8 +128,9 @@ def worst_rel_err(got: dict, want: dict) -> float:
 
 
 def test_compiled_step_gathers_each_tensor_ranks_shard_over_fsdp_only(model, batches):
-    """The unit collectives run on each tensor rank's row (``(1, W * S)``, groups of the fsdp axis): left to
-    XLA, the all-gather of a (T, S) operand first replicates it over the tensor axis."""
+    """The optimizer state is placed as the buffers, and the unit collectives run on each tensor rank's row
+    (``(1, W * S)``, groups of the fsdp axis): left to XLA, the all-gather of a (T, S) operand first
+    replicates it over the tensor axis."""
     mesh, _ = _mesh("fsdp4_tensor2")
     fsdp = parallelize(model, mesh, tensor_axis="tensor")
     buffers = fsdp.shard_params(model_params(model))
@@ -211,7 +138,13 @@ def test_compiled_step_gathers_each_tensor_ranks_shard_over_fsdp_only(model, bat
     opt = adamw()
     step = fsdp.train_step(opt, cross_entropy)
     state = fsdp.init(opt, buffers)
-    text = step.lower(buffers, state, batches[0][:, :-1], batches[0][:, 1:]).compile().as_text()
+    # the moments as the buffers from init on (left to XLA, init replicated them over tensor), so the step
+    # compiled for the first state takes the state it returns
+    assert {a.sharding.spec for a in jax.tree.leaves(state) if a.ndim} == {P("tensor", "fsdp")}
+    x, y = batches[0][:, :-1], batches[0][:, 1:]
+    compiled = step.lower(buffers, state, x, y).compile()
+    compiled(*compiled(buffers, state, x, y)[:2], x, y)
+    text = compiled.as_text()
     sizes = {lay.total_numel for lay in fsdp.layouts} | {lay.shard_size for lay in fsdp.layouts}
     unit_ops = re.findall(r"= f32\[(\d+),(\d+)\]\S* (all-gather|reduce-scatter)\(", text)
     on_units = [(int(t), op) for t, n, op in unit_ops if int(n) in sizes]
@@ -243,7 +176,7 @@ def test_neutral_checkpoint_saved_with_tensor_parallel_loads_without_and_back(mo
 class Odd(nnx.Module):
     def __init__(self, spec: tuple, out: int = 6, *, rngs: nnx.Rngs):
         with nnx.use_eager_sharding(False):
-            self.inner = nnx.Linear(4, out, kernel_init=_split(spec), rngs=rngs)
+            self.inner = nnx.Linear(4, out, kernel_init=annotated(spec), rngs=rngs)
             self.last = nnx.Linear(out, 2, rngs=rngs)
 
     def __call__(self, x):

@@ -2,14 +2,14 @@
 
 Every case applies TP first and FSDP after, torchtitan's order: the project's llama with its plan
 (``torch_backend.models.tensor_parallel``: sequence parallel included) and a HuggingFace
-``LlamaForCausalLM`` with the torchtitan-style plan below, on (dp, tp) meshes and on (replicate, dp, tp)
-for HSDP; both with loss parallelism (the logits stay split by vocabulary, the loss runs under
-``loss_parallel()``) unless a case turns it off. Each trains STEPS AdamW steps (clipped) on its dp
-rank's rows; the single-process reference trains the same model, data and seed in the worker itself;
-PyTorch FSDP2 + TP runs the same case (the same loss parallelism) as the baseline. The ``structured``
-cases train with 8-bit Adam and Muon instead, against the same optimizer in one process. Results are
-rank 0's worst relative loss and parameter errors against the reference (the parameters read back with
-``full_tensor()``, the placement's own gather).
+``LlamaForCausalLM`` with the torchtitan-style plan beside it (``apply_hf_llama_tensor_parallel``), on
+(dp, tp) meshes and on (replicate, dp, tp) for HSDP; both with loss parallelism (the logits stay split by
+vocabulary, the loss runs under ``loss_parallel()``) unless a case turns it off. Each trains STEPS AdamW
+steps (clipped) on its dp rank's rows; the single-process reference trains the same model, data and seed
+in the worker itself; PyTorch FSDP2 + TP runs the same case (the same loss parallelism) as the baseline.
+The ``structured`` cases train with 8-bit Adam and Muon instead, against the same optimizer in one
+process. Results are rank 0's worst relative loss and parameter errors against the reference (the
+parameters read back with ``full_tensor()``, the placement's own gather).
 """
 
 from __future__ import annotations
@@ -23,12 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import loss_parallel
 
 from ragged.models import LLAMA_TINY
 from tests.torch_backend._dist import run_cases
@@ -62,26 +57,6 @@ def hf_llama() -> nn.Module:
                          attn_implementation="sdpa")
     torch.manual_seed(SEED)
     return LlamaForCausalLM(config)
-
-
-def hf_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> nn.Module:
-    """torchtitan's split of the projections (Megatron's), without sequence parallelism: HF builds its
-    causal mask and positions from the embedding output, which must stay a whole (replicated) tensor. The
-    head's output as ``apply_tensor_parallel``'s: split by vocabulary under ``loss_parallel``."""
-    head = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else
-            ColwiseParallel(output_layouts=Replicate()))
-    parallelize_module(model, tp_mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": head,
-    })
-    for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
-        })
-    return model
 
 
 def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -128,12 +103,10 @@ def build(kind: str, mesh: DeviceMesh | None, which: str, dp: tuple[str, ...] = 
     model = make()
     if mesh is None:
         return model
-    if tp_plan == "hf":
-        hf_tensor_parallel(model, mesh["tp"], loss_parallel)
-    else:
-        from torch_backend.models import apply_tensor_parallel
+    from torch_backend.models import apply_hf_llama_tensor_parallel, apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh["tp"], loss_parallel=loss_parallel)
+    plan = apply_hf_llama_tensor_parallel if tp_plan == "hf" else apply_tensor_parallel
+    plan(model, mesh["tp"], loss_parallel=loss_parallel)
     shard(model, mesh[dp], which, **shard_kwargs)
     return model
 

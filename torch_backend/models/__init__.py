@@ -5,7 +5,7 @@ from torch_backend.models.expert_parallel import expert_parallel
 from torch_backend.models.llama import Llama, cross_entropy
 from torch_backend.models.moe import MoEDecoder, moe_loss
 from torch_backend.models.parallelize import parallelize
-from torch_backend.models.tensor_parallel import apply_tensor_parallel
+from torch_backend.models.tensor_parallel import apply_hf_llama_tensor_parallel, apply_tensor_parallel
 
-__all__ = ["Llama", "MoEDecoder", "apply_tensor_parallel", "cross_entropy", "expert_parallel", "moe_loss",
-           "parallelize"]
+__all__ = ["Llama", "MoEDecoder", "apply_hf_llama_tensor_parallel", "apply_tensor_parallel", "cross_entropy",
+           "expert_parallel", "moe_loss", "parallelize"]

@@ -1,4 +1,5 @@
 """Tensor parallelism for the torch ``Llama``, torchtitan's plan: apply it before ``parallelize`` (FSDP).
+A second plan does the same for a HuggingFace ``LlamaForCausalLM`` (by its attribute names).
 
 Megatron's split, with sequence parallelism between the blocks: the embedding is split by rows of the
 vocabulary and leaves activations split along the sequence (``Shard(1)``); each block gathers the
@@ -14,6 +15,7 @@ every TP rank.
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -46,8 +48,7 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, loss_parallel: bool
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else
-                                  Replicate(), use_local_output=not loss_parallel),
+        "output": _head(loss_parallel, input_layouts=Shard(1)),
     })
     gather_sequence = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for layer in model.layers:
@@ -65,3 +66,39 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, loss_parallel: bool
             "feed_forward.w3": ColwiseParallel(),
         })
     return model
+
+
+def apply_hf_llama_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True
+                                   ) -> nn.Module:
+    """Split a HuggingFace ``LlamaForCausalLM``'s weights over the 1-D ``tp_mesh`` in place.
+
+    torchtitan's split of the projections (Megatron's: ``q k v gate up`` by output features, ``o down``
+    by input features, the embedding and the head by vocabulary), without sequence parallelism: HF builds
+    its causal mask and positions from the embedding output, which must stay a whole (replicated) tensor,
+    so the norms keep plain replicated weights. Keyed by the attribute names alone: transformers is not
+    imported here. ``loss_parallel`` as ``apply_tensor_parallel``'s (``model(x).logits`` split by
+    vocabulary).
+
+    Returns:
+        ``model``, whose projection, embedding and head weights are now DTensors on ``tp_mesh``.
+    """
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": _head(loss_parallel),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        })
+    return model
+
+
+def _head(loss_parallel: bool, **layouts) -> ColwiseParallel:
+    """The head's plan: its output kept split by vocabulary (a DTensor, for ``loss_parallel()``) or
+    gathered to the full vocabulary as a plain tensor."""
+    if loss_parallel:
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False, **layouts)
+    return ColwiseParallel(output_layouts=Replicate(), **layouts)
