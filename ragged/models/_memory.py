@@ -28,7 +28,7 @@ LLAMA_TP_SPLIT``), so every buffer term is the TP rank's; a TP group's ``tp`` de
 sequence-split ones between the blocks (the fp32 norm inputs, a checkpointed layer's input) are ``1/tp``,
 while the normed input each block gathers over the sequence for its column-parallel matmuls (the
 ``2 dim``) is kept whole on every TP rank (DTensor saves the gathered tensor); with loss parallelism
-(``loss_parallel=True``, torchtitan's default and the torch runtime's) the logits stay split by vocabulary
+(``loss_parallel=True``: torchtitan's default, what both runtimes do) the logits stay split by vocabulary
 and the loss runs on the parts, so each of their three terms is ``tokens x vocab / tp``; without it the
 head's output is gathered to the full vocabulary on every TP rank before the loss. TP's own
 communication buffers (and loss parallelism's per-token max and sum) are not counted.
