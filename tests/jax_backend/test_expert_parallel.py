@@ -1,10 +1,11 @@
 """Expert parallelism composed with ragged FSDP (``parallelize_moe``) on 8 host devices.
 
-Five AdamW steps at (ep, fsdp) = (1, 8), (2, 4), (4, 2) and (2, 2) with 2 HSDP replicas, for per-expert
-modules (mixtral-tiny) and fused experts with biases (gpt-oss-tiny), equal single-device training of the
-whole MoE (``jax.grad`` of the unsharded model, ``optax.adamw`` on its pytree). The reference's loss is the
-mean of the 8 device batches' losses, computed apart: the load-balancing loss is a product of per-batch
-means, so data-parallel training defines it per device's batch.
+Five AdamW steps at (ep, fsdp) = (1, 8), (2, 4), (4, 2) and (2, 2) with 2 HSDP replicas (fp32; bf16 at
+(2, 4) and (2, 2) x 2), for per-expert modules (mixtral-tiny) and fused experts with biases
+(gpt-oss-tiny), equal single-device training of the whole MoE (``jax.grad`` of the unsharded model,
+``optax.adamw`` on its pytree). The reference's loss is the mean of the 8 device batches' losses, computed
+apart: the load-balancing loss is a product of per-batch means, so data-parallel training defines it per
+device's batch.
 
 Experts go empty, forced by the data and the router: the devices at fsdp index 0 (one per EP rank and
 replica) see one token repeated, so their tokens route alike and reach ``top_k`` experts only, and
@@ -21,6 +22,18 @@ on one device against torch that the README reports for the llama (7.5e-6). Meas
 6.5e-7 at (1, 8), 2.3e-6 / 6.4e-7 at (2, 4), 4.6e-6 / 1.6e-6 at (4, 2), 1.6e-6 / 1.2e-6 at (2, 2) x 2
 replicas (mixtral-tiny / gpt-oss-tiny); losses within 9e-8. A token routed to another expert would move
 its layer's output by ~1e-2, far outside the bound.
+
+bf16 under the mixed-precision policy (bf16 gathers, compute and all-to-all; fp32 reduce and masters) at
+(2, 4) and (2, 2) x 2 replicas: against the policy reference (each device batch on its own bf16 copy of the
+fp32 parameters, the gradients cast back and summed in fp32) and fp32 training. EP cannot meet the fp32
+bound here: an expert's gradient is one bf16 dot over the rows of every EP rank where the reference rounds
+each device's to bf16, and a token whose top-k gap is below bf16 rounding changes experts. The bound is
+the case's own bf16 error, the policy reference's distance from fp32 training: losses within twice it of
+both references, parameters within twice its parameter distance of the policy reference, as on torch
+(tests/torch_backend/test_fsdp_moe.py). Measured (mixtral-tiny / gpt-oss-tiny, (2, 4) then (2, 2) x 2):
+losses 6.7e-6, 3.2e-6 / 2.8e-5, 2.3e-5 from the policy reference (bounds 1.1e-4, 3.2e-4 / 1.0e-4,
+8.2e-5), parameters 4.8e-2, 0.12 / 8.7e-2, 5.4e-2 (bounds 0.89, 1.0 / 0.13, 0.14; loose where bf16 itself
+moves a token to another expert, mixtral-tiny).
 
 Capacity: with ``capacity_factor=0.5``, each device's dropped (token, expert) assignments per MoE layer
 equal a numpy count (``sum_e max(0, n_e - C)``) over the routing of a single-device forward that drops the
