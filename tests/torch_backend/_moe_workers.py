@@ -244,7 +244,20 @@ def checks(rank: int, world: int) -> dict:
         skewed = f"gpt-oss-tiny{SKEWED}"
         for ep in (2, 4):
             cases[f"{skewed}/ep{ep}"] = lambda ep=ep: ep_case(skewed, rank, world, ep)
+        cases["ep-mesh-refused"] = lambda: refused_ep_mesh(("ep", "replicate", "fsdp"))
     return run_cases(cases)
+
+
+def refused_ep_mesh(dims: tuple[str, ...]) -> str:
+    """``expert_parallel``'s error for a mesh whose dims are not (replicate?, ep, fsdp)."""
+    from torch_backend.models.expert_parallel import expert_parallel
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=dims)
+    try:
+        expert_parallel(build("mixtral-tiny"), mesh)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
 
 
 def ep_bf16_checks(rank: int, world: int) -> dict:

@@ -127,6 +127,12 @@ def test_fused_experts_of_ep_ranks_that_receive_nothing_train_like_single_proces
 
 
 
+def test_expert_parallel_refuses_a_mesh_whose_dims_are_not_replicate_ep_fsdp():
+    for message in case_results(run(4), "ep-mesh-refused"):
+        assert "ep_mesh must have dims ('ep', 'fsdp') or ('replicate', 'ep', 'fsdp')" in message, message
+        assert "('ep', 'replicate', 'fsdp')" in message, message  # names what it got
+
+
 def assert_bf16_within_the_policys_own_distance(r: dict) -> None:
     """bf16 expert parallelism against the policy reference and fp32 training, bounded by the policy
     reference's own distance from fp32 training (see the module docstring)."""

@@ -190,7 +190,7 @@ def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_for
     if ep_mesh.ndim == 3:  # HSDP: a fused tensor whole is Shard(0) over ep around (Replicate, RaggedShard)
         experts_mesh = ep_mesh["replicate", "fsdp"]
         if c.experts == "fused":
-            whole_mesh = DeviceMesh(ep_mesh.device_type, ep_mesh.mesh.permute(1, 0, 2),
+            whole_mesh = DeviceMesh(ep_mesh.device_type, ep_mesh.mesh.permute(1, 0, 2).contiguous(),
                                     mesh_dim_names=("ep", "replicate", "fsdp"))
     moe_layers = model.layers[c.n_dense_layers:]
     for layer in moe_layers:  # every new (sliced) parameter exists before fully_shard frees any original:
