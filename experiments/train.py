@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "for the advisor's choice (ragged advise)")
     p.add_argument("--ep", type=int, default=1,
                    help="MoE models, both stacks: expert-parallel degree (each EP rank keeps E/ep experts of "
-                        "every MoE layer, sharded over world / ep ranks; the rest over all; docs/moe.md)")
+                        "every MoE layer, sharded over world / (R ep) ranks and replicated R times; the rest "
+                        "over all, as --hsdp says; docs/moe.md)")
     p.add_argument("--tp", type=int, default=1,
                    help="llamas: tensor-parallel degree inside each data-parallel group (torch: torchtitan's "
                         "plan with sequence parallel, mesh (replicate, shard, tp); JAX: a 'tensor' axis)")

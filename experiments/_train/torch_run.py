@@ -69,7 +69,8 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
 
     With ``--ep N``: the whole model is built and initialised on ``dev`` first (``init_parameters`` numbers
     parameters in one process's order, which a rank that dropped the other EP ranks' experts no longer has),
-    then ``expert_parallel`` on an ``(ep, fsdp) = (N, world / N)`` mesh keeps this rank's experts."""
+    then ``expert_parallel`` on an ``(ep, fsdp) = (N, world / N)`` mesh keeps this rank's experts (under HSDP
+    ``(replicate, ep, fsdp) = (R, N, world / (R N))``)."""
     from torch_backend import MixedPrecisionPolicy, unsharded
     from torch_backend.models import Llama, MoEDecoder, apply_tensor_parallel, parallelize
     from torch_backend.models.expert_parallel import expert_parallel
@@ -88,7 +89,9 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
     granularity = (lambda name, shape: ragged.quant.tile_granularity(shape)) if args.granularity == "auto" \
         and args.optimizer == "adam8bit" else (None if args.granularity == "auto" else args.granularity)
     if args.ep > 1:
-        ep_mesh = init_device_mesh(dev.type, (args.ep, mesh.size() // args.ep), mesh_dim_names=("ep", "fsdp"))
+        dims = {"replicate": mesh.size(0)} if mesh.ndim == 2 else {}  # HSDP: the replicas of the dp mesh
+        dims.update(ep=args.ep, fsdp=mesh.size(mesh.ndim - 1) // args.ep)
+        ep_mesh = init_device_mesh(dev.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         expert_parallel(model, ep_mesh, mp_policy=mp, granularity=granularity)
     parallelize(model, mesh, mp_policy=mp, granularity=granularity)
     if args.ep > 1:
@@ -101,13 +104,14 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
 
 
 def check_ep(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, world: int) -> None:
-    """``--ep`` needs an MoE whose experts and devices it divides, and one FSDP group (no HSDP)."""
+    """``--ep`` needs an MoE whose experts it divides and the devices of each HSDP replica."""
     if args.ep == 1:
         return
+    shard = world // args.replicas
     why = ("it trains mixture-of-experts models only" if not isinstance(config, ragged.models.MoeConfig) else
-           f"it must divide the {world} devices" if world % args.ep else
-           f"it must divide the {config.n_experts} experts" if config.n_experts % args.ep else
-           "it is not combined with HSDP (--hsdp 1)" if args.replicas != 1 else None)
+           f"it must divide the {shard} devices" + (" of each HSDP replica" if args.replicas > 1 else "")
+           if shard % args.ep else
+           f"it must divide the {config.n_experts} experts" if config.n_experts % args.ep else None)
     if why:
         raise SystemExit(f"--ep {args.ep}: {why}")
 
