@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     config, modelled = ragged.models.trained_model(args.model)
     if args.ep != 1 and not isinstance(config, ragged.models.MoeConfig):
         raise SystemExit(f"--ep {args.ep}: it trains mixture-of-experts models only (got {args.model})")
+    if args.ep != 1 and config.n_experts % args.ep:
+        raise SystemExit(f"--ep {args.ep}: it must divide the {config.n_experts} experts of {args.model}")
     if args.tp > 1 and isinstance(config, ragged.models.MoeConfig):
         raise SystemExit(f"--tp {args.tp}: tensor parallelism is wired for the llamas only, not {args.model}")
     if args.tp > 1 and args.stack == "jax" and args.optimizer != "adamw":

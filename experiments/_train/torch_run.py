@@ -103,19 +103,6 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
     return model
 
 
-def check_ep(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, world: int) -> None:
-    """``--ep`` needs an MoE whose experts it divides and the devices of each HSDP replica."""
-    if args.ep == 1:
-        return
-    shard = world // args.replicas
-    why = ("it trains mixture-of-experts models only" if not isinstance(config, ragged.models.MoeConfig) else
-           f"it must divide the {shard} devices" + (" of each HSDP replica" if args.replicas > 1 else "")
-           if shard % args.ep else
-           f"it must divide the {config.n_experts} experts" if config.n_experts % args.ep else None)
-    if why:
-        raise SystemExit(f"--ep {args.ep}: {why}")
-
-
 def _unit_modules(model, unit) -> list:
     if unit is model.norm:
         return [("norm", model.norm), ("output", model.output)]
@@ -188,7 +175,6 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
         capacity = torch.tensor([device_capacity(dev)], dtype=torch.int64, device=dev)
         dist.all_reduce(capacity, dist.ReduceOp.MIN)  # one number on every rank: all refuse, or none
         plan_check(world, int(capacity.item()), rank == 0)
-        check_ep(args, config, world)
         replicas, tp = args.replicas, args.tp
         dims = {"replicate": replicas, "shard": world // replicas // tp, "tp": tp}
         dims = {name: size for name, size in dims.items() if size > 1 or name == "shard"}

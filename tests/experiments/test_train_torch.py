@@ -169,8 +169,10 @@ def test_ep_is_refused_where_it_cannot_split_the_experts(tmp_path):
     result = torchrun(2, [*TINY, "--steps", "1", "--ep", "2"])
     assert result.returncode != 0 and "--ep 2: it trains mixture-of-experts models only" in result.stderr
     result = torchrun(2, ["--model", "mixtral-tiny", "--steps", "1", "--ep", "2", "--hsdp", "2"])
-    assert result.returncode != 0 and "--ep 2: it must divide the 1 devices of each HSDP replica" in \
+    assert result.returncode != 0 and "--ep 2 must divide the 1 devices of each replica's shard group" in \
         result.stderr
+    with pytest.raises(SystemExit, match="--ep 3: it must divide the 8 experts of mixtral-tiny"):
+        main(["--model", "mixtral-tiny", "--ep", "3", "--dry-run", "--gpus", "6"])
 
 
 def test_adam8bit_state_resumes_bit_exactly(tmp_path):
