@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from ragged.models import ExpertParallelUnit, plan_expert_parallel
 from torch_backend.fsdp import GranularityArg, MixedPrecisionPolicy, fully_shard
 from torch_backend.fsdp._dcp_checkpoint import CheckpointAs
 from torch_backend.models.moe import ExpertList, FusedExperts, MoEDecoder
@@ -141,14 +142,19 @@ def _keep_local_experts(experts: nn.Module, lo: int, hi: int) -> None:
     experts.n_experts = hi - lo
 
 
-def _name_globally(experts: nn.Module, whole_mesh: DeviceMesh, lo: int, n_experts: int) -> None:
-    """Give each (sharded) expert parameter its one-process name and, for a fused slice, the whole tensor's
-    shape on ``whole_mesh`` (``ep`` first, then the experts unit's mesh dims) in checkpoints."""
+def _name_globally(experts: nn.Module, unit: ExpertParallelUnit, ep_rank: int, whole_mesh: DeviceMesh,
+                   n_experts: int) -> None:
+    """Give each (sharded) expert parameter the one-process name the core's composed plan gives it and, for
+    a fused slice, the whole tensor's shape on ``whole_mesh`` (``ep`` first, then the experts unit's mesh
+    dims) in checkpoints."""
+    prefix, k = unit.name + ".", len(unit.local.tensors)
+    holds = {t.name.removeprefix(prefix): s for t, s in zip(unit.local.tensors,
+                                                             unit.sources[ep_rank * k:(ep_rank + 1) * k])}
     for name, p in experts.named_parameters():
-        if isinstance(experts, ExpertList):  # "0.w1.weight" -> "4.w1.weight"
-            local, _, rest = name.partition(".")
-            p.checkpoint_as = CheckpointAs(name, f"{lo + int(local)}.{rest}")
-        else:  # rows [lo, lo + E/ep) of the [E, ...] tensor
+        source = holds[name]  # "0.w1.weight" holds "...experts.4.w1.weight"; "gate_up_proj" rows [lo, hi)
+        if source.lo is None:
+            p.checkpoint_as = CheckpointAs(name, source.fqn.removeprefix(prefix))
+        else:
             p.checkpoint_as = CheckpointAs(name, name, whole_mesh, Shard(0), (n_experts, *p.shape[1:]))
 
 
@@ -195,12 +201,14 @@ def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_for
     moe_layers = model.layers[c.n_dense_layers:]
     for layer in moe_layers:  # every new (sliced) parameter exists before fully_shard frees any original:
         _keep_local_experts(layer.feed_forward.experts, lo, lo + n_local)  # it tells units apart by id()
-    for layer in moe_layers:
+    # The core's plan of every EP rank's experts (the JAX backend shards by it): here, the global names
+    units = plan_expert_parallel(c, ep, ep_mesh.size(ep_mesh.mesh_dim_names.index("fsdp")))
+    for layer, unit in zip(moe_layers, units, strict=True):
         experts = layer.feed_forward.experts
         hooks = _ExpertParallelHooks(c.n_experts, ep_mesh.get_group("ep"), ep)
         experts.register_forward_pre_hook(hooks.dispatch)  # after FSDP's (it prepends its own)
         fully_shard(experts, mesh=experts_mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mp_policy, granularity=granularity)
         experts.register_forward_hook(hooks.combine, prepend=True)  # before FSDP's post-forward
-        _name_globally(experts, whole_mesh, lo, c.n_experts)
+        _name_globally(experts, unit, ep_mesh.get_local_rank("ep"), whole_mesh, c.n_experts)
     return model
