@@ -67,18 +67,15 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
     """Meta-device model -> tensor parallelism on ``tp_mesh`` -> activation checkpointing -> ``parallelize``
     on the data-parallel ``mesh`` -> values one unit at a time (torchtitan's order).
 
-    With ``--ep N``: the whole model is built and initialised on ``dev`` first (``init_parameters`` numbers
-    parameters in one process's order, which a rank that dropped the other EP ranks' experts no longer has),
-    then ``expert_parallel`` on an ``(ep, fsdp) = (N, world / N)`` mesh keeps this rank's experts (under HSDP
-    ``(replicate, ep, fsdp) = (R, N, world / (R N))``)."""
+    With ``--ep N``: ``expert_parallel`` on an ``(ep, fsdp) = (N, world / N)`` mesh (under HSDP
+    ``(replicate, ep, fsdp) = (R, N, world / (R N))``) keeps this rank's experts of the meta-device model
+    before ``parallelize``; each gets the value it has in one process (``MoEDecoder.one_process_places``)."""
     from torch_backend import MixedPrecisionPolicy, unsharded
     from torch_backend.models import Llama, MoEDecoder, apply_tensor_parallel, parallelize
     from torch_backend.models.expert_parallel import expert_parallel
 
-    with torch.device("meta" if args.ep == 1 else dev):
+    with torch.device("meta"):
         model = MoEDecoder(config) if isinstance(config, ragged.models.MoeConfig) else Llama(config)
-    if args.ep > 1:
-        model.init_weights(args.seed)
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
     if args.activation_checkpointing:
@@ -94,8 +91,6 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
         ep_mesh = init_device_mesh(dev.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         expert_parallel(model, ep_mesh, mp_policy=mp, granularity=granularity)
     parallelize(model, mesh, mp_policy=mp, granularity=granularity)
-    if args.ep > 1:
-        return model
     for unit in [model.tok_embeddings, *model.layers, model.norm]:  # norm: the [norm, output] unit
         names = {f"{prefix}.{n}" for prefix, m in _unit_modules(model, unit) for n, _ in m.named_parameters()}
         with unsharded(unit):

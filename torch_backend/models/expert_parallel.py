@@ -41,9 +41,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ragged.models import ExpertParallelUnit, plan_expert_parallel
+from ragged.models import ExpertParallelUnit, moe_shapes, plan_expert_parallel
 from torch_backend.fsdp import GranularityArg, MixedPrecisionPolicy, fully_shard
 from torch_backend.fsdp._dcp_checkpoint import CheckpointAs
+from torch_backend.models.llama import OneProcessPlace
 from torch_backend.models.moe import ExpertList, FusedExperts, MoEDecoder
 
 
@@ -142,6 +143,22 @@ def _keep_local_experts(experts: nn.Module, lo: int, hi: int) -> None:
     experts.n_experts = hi - lo
 
 
+def _one_process_places(model: MoEDecoder, units: tuple[ExpertParallelUnit, ...], ep_rank: int
+                        ) -> dict[str, OneProcessPlace]:
+    """Where each parameter this EP rank keeps sits in the one-process model (whose order the core's
+    ``moe_shapes`` gives): other parameters where they are, expert ``g`` or rows ``[lo, hi)`` of a fused
+    tensor where the core's plan says this rank's experts come from."""
+    whole = [t for u in moe_shapes("", model.config).units for t in u.tensors]
+    index = {fqn: i for i, (fqn, _) in enumerate(whole)}
+    places = {fqn: OneProcessPlace(i) for fqn, i in index.items() if ".experts." not in fqn}
+    for unit in units:
+        k = len(unit.local.tensors)
+        for t, s in zip(unit.local.tensors, unit.sources[ep_rank * k:(ep_rank + 1) * k]):
+            i = index[s.fqn]
+            places[t.name] = OneProcessPlace(i, s.lo, s.hi, None if s.lo is None else whole[i][1])
+    return places
+
+
 def _name_globally(experts: nn.Module, unit: ExpertParallelUnit, ep_rank: int, whole_mesh: DeviceMesh,
                    n_experts: int) -> None:
     """Give each (sharded) expert parameter the one-process name the core's composed plan gives it and, for
@@ -199,10 +216,11 @@ def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_for
             whole_mesh = DeviceMesh(ep_mesh.device_type, ep_mesh.mesh.permute(1, 0, 2).contiguous(),
                                     mesh_dim_names=("ep", "replicate", "fsdp"))
     moe_layers = model.layers[c.n_dense_layers:]
-    for layer in moe_layers:  # every new (sliced) parameter exists before fully_shard frees any original:
-        _keep_local_experts(layer.feed_forward.experts, lo, lo + n_local)  # it tells units apart by id()
     # The core's plan of every EP rank's experts (the JAX backend shards by it): here, the global names
     units = plan_expert_parallel(c, ep, ep_mesh.size(ep_mesh.mesh_dim_names.index("fsdp")))
+    model.one_process_places = _one_process_places(model, units, ep_mesh.get_local_rank("ep"))
+    for layer in moe_layers:  # every new (sliced) parameter exists before fully_shard frees any original:
+        _keep_local_experts(layer.feed_forward.experts, lo, lo + n_local)  # it tells units apart by id()
     for layer, unit in zip(moe_layers, units, strict=True):
         experts = layer.feed_forward.experts
         hooks = _ExpertParallelHooks(c.n_experts, ep_mesh.get_group("ep"), ep)
