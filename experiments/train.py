@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "for the advisor's choice (ragged advise)")
     p.add_argument("--ep", type=int, default=1,
                    help="MoE models, both stacks: expert-parallel degree (each EP rank keeps E/ep experts of "
-                        "every MoE layer, sharded over world / ep ranks; the rest over all; docs/moe.md)")
+                        "every MoE layer, sharded over world / (R ep) ranks and replicated R times; the rest "
+                        "over all, as --hsdp says; docs/moe.md)")
     p.add_argument("--tp", type=int, default=1,
                    help="llamas: tensor-parallel degree inside each data-parallel group (torch: torchtitan's "
                         "plan with sequence and loss parallel, mesh (replicate, shard, tp); JAX: a 'tensor' "
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     config, modelled = ragged.models.trained_model(args.model)
     if args.ep != 1 and not isinstance(config, ragged.models.MoeConfig):
         raise SystemExit(f"--ep {args.ep}: it trains mixture-of-experts models only (got {args.model})")
+    if args.ep != 1 and config.n_experts % args.ep:
+        raise SystemExit(f"--ep {args.ep}: it must divide the {config.n_experts} experts of {args.model}")
     if args.tp > 1 and isinstance(config, ragged.models.MoeConfig):
         raise SystemExit(f"--tp {args.tp}: tensor parallelism is wired for the llamas only, not {args.model}")
     if args.tp > 1 and args.stack == "jax" and args.optimizer != "adamw":

@@ -69,17 +69,15 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
     """Meta-device model -> tensor parallelism on ``tp_mesh`` -> activation checkpointing -> ``parallelize``
     on the data-parallel ``mesh`` -> values one unit at a time (torchtitan's order).
 
-    With ``--ep N``: the whole model is built and initialised on ``dev`` first (``init_parameters`` numbers
-    parameters in one process's order, which a rank that dropped the other EP ranks' experts no longer has),
-    then ``expert_parallel`` on an ``(ep, fsdp) = (N, world / N)`` mesh keeps this rank's experts."""
+    With ``--ep N``: ``expert_parallel`` on an ``(ep, fsdp) = (N, world / N)`` mesh (under HSDP
+    ``(replicate, ep, fsdp) = (R, N, world / (R N))``) keeps this rank's experts of the meta-device model
+    before ``parallelize``; each gets the value it has in one process (``MoEDecoder.one_process_places``)."""
     from torch_backend import MixedPrecisionPolicy, unsharded
     from torch_backend.models import Llama, MoEDecoder, apply_tensor_parallel, parallelize
     from torch_backend.models.expert_parallel import expert_parallel
 
-    with torch.device("meta" if args.ep == 1 else dev):
+    with torch.device("meta"):
         model = MoEDecoder(config) if isinstance(config, ragged.models.MoeConfig) else Llama(config)
-    if args.ep > 1:
-        model.init_weights(args.seed)
     if tp_mesh is not None:  # the logits stay split by vocabulary: the step runs under loss_parallel()
         apply_tensor_parallel(model, tp_mesh, loss_parallel=True)
     if args.activation_checkpointing:
@@ -90,28 +88,16 @@ def build(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, mes
     granularity = (lambda name, shape: ragged.quant.tile_granularity(shape)) if args.granularity == "auto" \
         and args.optimizer == "adam8bit" else (None if args.granularity == "auto" else args.granularity)
     if args.ep > 1:
-        ep_mesh = init_device_mesh(dev.type, (args.ep, mesh.size() // args.ep), mesh_dim_names=("ep", "fsdp"))
+        dims = {"replicate": mesh.size(0)} if mesh.ndim == 2 else {}  # HSDP: the replicas of the dp mesh
+        dims.update(ep=args.ep, fsdp=mesh.size(mesh.ndim - 1) // args.ep)
+        ep_mesh = init_device_mesh(dev.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         expert_parallel(model, ep_mesh, mp_policy=mp, granularity=granularity)
     parallelize(model, mesh, mp_policy=mp, granularity=granularity)
-    if args.ep > 1:
-        return model
     for unit in [model.tok_embeddings, *model.layers, model.norm]:  # norm: the [norm, output] unit
         names = {f"{prefix}.{n}" for prefix, m in _unit_modules(model, unit) for n, _ in m.named_parameters()}
         with unsharded(unit):
             model.init_weights(args.seed, only=names)
     return model
-
-
-def check_ep(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, world: int) -> None:
-    """``--ep`` needs an MoE whose experts and devices it divides, and one FSDP group (no HSDP)."""
-    if args.ep == 1:
-        return
-    why = ("it trains mixture-of-experts models only" if not isinstance(config, ragged.models.MoeConfig) else
-           f"it must divide the {world} devices" if world % args.ep else
-           f"it must divide the {config.n_experts} experts" if config.n_experts % args.ep else
-           "it is not combined with HSDP (--hsdp 1)" if args.replicas != 1 else None)
-    if why:
-        raise SystemExit(f"--ep {args.ep}: {why}")
 
 
 def _unit_modules(model, unit) -> list:
@@ -186,7 +172,6 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
         capacity = torch.tensor([device_capacity(dev)], dtype=torch.int64, device=dev)
         dist.all_reduce(capacity, dist.ReduceOp.MIN)  # one number on every rank: all refuse, or none
         plan_check(world, int(capacity.item()), rank == 0)
-        check_ep(args, config, world)
         replicas, tp = args.replicas, args.tp
         dims = {"replicate": replicas, "shard": world // replicas // tp, "tp": tp}
         dims = {name: size for name, size in dims.items() if size > 1 or name == "shard"}

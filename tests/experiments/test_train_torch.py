@@ -150,9 +150,30 @@ def test_ep_trains_like_plain_training_and_its_checkpoint_resumes_without_ep(tmp
     np.testing.assert_allclose([got[s] for s in range(4)], plain_moe_losses(name, 4, ranks=2), rtol=1e-5)
 
 
+def test_ep_with_hsdp_trains_like_plain_training_and_resumes_as_plain_hsdp(tmp_path):
+    """``--ep 2 --hsdp 2`` on 4 gloo processes, gpt-oss-tiny (fused experts: the checkpoint writes each
+    whole ``[E, ...]`` tensor from (replicate, ep, fsdp) slices), checkpointed after step 2 and resumed with
+    ``--hsdp 2`` alone: every step equals plain training (bound as in the test above)."""
+    args = ["--model", "gpt-oss-tiny", "--dtype", "fp32", "--batch", "4", "--seq-len", "16", "--no-progress",
+            "--lr", str(LR), "--weight-decay", str(WD), "--checkpoint-dir", str(tmp_path),
+            "--save-interval", "2", "--hsdp", "2"]
+    first = torchrun(4, [*args, "--steps", "2", "--ep", "2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = torchrun(4, [*args, "--steps", "4"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = losses(tmp_path / "log.jsonl")
+    np.testing.assert_allclose([got[s] for s in range(4)], plain_moe_losses("gpt-oss-tiny", 4, ranks=4),
+                               rtol=1e-5)
+
+
 def test_ep_is_refused_where_it_cannot_split_the_experts(tmp_path):
     result = torchrun(2, [*TINY, "--steps", "1", "--ep", "2"])
     assert result.returncode != 0 and "--ep 2: it trains mixture-of-experts models only" in result.stderr
+    result = torchrun(2, ["--model", "mixtral-tiny", "--steps", "1", "--ep", "2", "--hsdp", "2"])
+    assert result.returncode != 0 and "--ep 2 must divide the 1 devices of each replica's shard group" in \
+        result.stderr
+    with pytest.raises(SystemExit, match="--ep 3: it must divide the 8 experts of mixtral-tiny"):
+        main(["--model", "mixtral-tiny", "--ep", "3", "--dry-run", "--gpus", "6"])
 
 
 def test_adam8bit_state_resumes_bit_exactly(tmp_path):

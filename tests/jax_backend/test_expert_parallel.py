@@ -1,10 +1,11 @@
 """Expert parallelism composed with ragged FSDP (``parallelize_moe``) on 8 host devices.
 
-Five AdamW steps at (ep, fsdp) = (1, 8), (2, 4), (4, 2) and (2, 2) with 2 HSDP replicas, for per-expert
-modules (mixtral-tiny) and fused experts with biases (gpt-oss-tiny), equal single-device training of the
-whole MoE (``jax.grad`` of the unsharded model, ``optax.adamw`` on its pytree). The reference's loss is the
-mean of the 8 device batches' losses, computed apart: the load-balancing loss is a product of per-batch
-means, so data-parallel training defines it per device's batch.
+Five AdamW steps at (ep, fsdp) = (1, 8), (2, 4), (4, 2) and (2, 2) with 2 HSDP replicas (fp32; bf16 at
+(2, 4) and (2, 2) x 2), for per-expert modules (mixtral-tiny) and fused experts with biases
+(gpt-oss-tiny), equal single-device training of the whole MoE (``jax.grad`` of the unsharded model,
+``optax.adamw`` on its pytree). The reference's loss is the mean of the 8 device batches' losses, computed
+apart: the load-balancing loss is a product of per-batch means, so data-parallel training defines it per
+device's batch.
 
 Experts go empty, forced by the data and the router: the devices at fsdp index 0 (one per EP rank and
 replica) see one token repeated, so their tokens route alike and reach ``top_k`` experts only, and
@@ -22,6 +23,18 @@ on one device against torch that the README reports for the llama (7.5e-6). Meas
 replicas (mixtral-tiny / gpt-oss-tiny); losses within 9e-8. A token routed to another expert would move
 its layer's output by ~1e-2, far outside the bound.
 
+bf16 under the mixed-precision policy (bf16 gathers, compute and all-to-all; fp32 reduce and masters) at
+(2, 4) and (2, 2) x 2 replicas: against the policy reference (each device batch on its own bf16 copy of the
+fp32 parameters, the gradients cast back and summed in fp32) and fp32 training. EP cannot meet the fp32
+bound here: an expert's gradient is one bf16 dot over the rows of every EP rank where the reference rounds
+each device's to bf16, and a token whose top-k gap is below bf16 rounding changes experts. The bound is
+the case's own bf16 error, the policy reference's distance from fp32 training: losses within twice it of
+both references, parameters within twice its parameter distance of the policy reference, as on torch
+(tests/torch_backend/test_fsdp_moe.py). Measured (mixtral-tiny / gpt-oss-tiny, (2, 4) then (2, 2) x 2):
+losses 6.7e-6, 3.2e-6 / 2.8e-5, 2.3e-5 from the policy reference (bounds 1.1e-4, 3.2e-4 / 1.0e-4,
+8.2e-5), parameters 4.8e-2, 0.12 / 8.7e-2, 5.4e-2 (bounds 0.89, 1.0 / 0.13, 0.14; loose where bf16 itself
+moves a token to another expert, mixtral-tiny).
+
 Capacity: with ``capacity_factor=0.5``, each device's dropped (token, expert) assignments per MoE layer
 equal a numpy count (``sum_e max(0, n_e - C)``) over the routing of a single-device forward that drops the
 same assignments (the first ``C`` per expert in token order are kept), and the losses agree.
@@ -38,7 +51,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jax_backend import make_mesh
+from jax_backend import MixedPrecisionPolicy, make_mesh
 from jax_backend.models import model_params
 from jax_backend.models.expert_parallel import parallelize_moe
 from jax_backend.models.llama import FeedForward
@@ -48,8 +61,10 @@ from tests.jax_backend.jax_reference import rel_err
 
 DEVICES, ROWS, SEQ, STEPS, LR = 8, 2, 8, 5, 1e-2  # ROWS per device
 CASES = [(1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2)]  # (ep, fsdp, replica)
+BF16_CASES = [(2, 4, 1), (2, 2, 2)]
 MODELS = ["mixtral-tiny", "gpt-oss-tiny"]
 RTOL = 1e-5
+BF16_RTOL = 2e-2  # a few bf16 epsilons (2^-8), as tests/torch_backend/test_fsdp_moe.py
 
 
 def build(name: str) -> MoEDecoder:
@@ -73,14 +88,18 @@ def batches(vocab: int, fsdp: int) -> np.ndarray:
     return data
 
 
-def device_losses(model: nnx.Module, inputs: jax.Array, targets: jax.Array, coef: float) -> jax.Array:
-    """Each device batch's loss, (DEVICES,)."""
+def device_losses(graphdef: nnx.GraphDef, params: nnx.State, inputs: jax.Array, targets: jax.Array,
+                  coef: float, dtype=None) -> jax.Array:
+    """Each device batch's loss, (DEVICES,); with ``dtype``, each on its own ``dtype`` copy of ``params``
+    (the mixed-precision policy: each device's gradient is cast back to fp32 before they are summed)."""
     xs, ys = inputs.reshape(DEVICES, ROWS, SEQ), targets.reshape(DEVICES, ROWS, SEQ)
-    return jnp.stack([moe_loss(model(x), y, coef) for x, y in zip(xs, ys)])
+    cast = (lambda p: p) if dtype is None else (lambda p: jax.tree.map(lambda a: a.astype(dtype), p))
+    return jnp.stack([moe_loss(nnx.merge(graphdef, cast(params))(x), y, coef) for x, y in zip(xs, ys)])
 
 
-def train_reference(model: MoEDecoder, data: np.ndarray) -> tuple[list[float], list[dict]]:
-    """Single-device AdamW: the loss per step and the parameters before each step and after the last."""
+def train_reference(model: MoEDecoder, data: np.ndarray, dtype=None) -> tuple[list[float], list[dict]]:
+    """Single-device AdamW (forward and backward in ``dtype`` per device batch, as ``device_losses``): the
+    loss per step and the parameters before each step and after the last."""
     graphdef, params = nnx.split(model, nnx.Param)
     opt = optax.adamw(LR, weight_decay=0.1)
     coef = model.config.aux_loss_coef
@@ -88,7 +107,7 @@ def train_reference(model: MoEDecoder, data: np.ndarray) -> tuple[list[float], l
     @jax.jit
     def step(params, state, x, y):
         loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean(device_losses(nnx.merge(graphdef, p), x, y, coef)))(params)
+            lambda p: jnp.mean(device_losses(graphdef, p, x, y, coef, dtype)))(params)
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
@@ -102,13 +121,14 @@ def train_reference(model: MoEDecoder, data: np.ndarray) -> tuple[list[float], l
 
 
 def train_ep(model: MoEDecoder, data: np.ndarray, ep: int, fsdp: int, replica: int,
-             capacity_factor: float | None = None, steps: int = STEPS) -> tuple[list[float], dict, list]:
+             capacity_factor: float | None = None, steps: int = STEPS,
+             mp_policy: MixedPrecisionPolicy | None = None) -> tuple[list[float], dict, list]:
     """``parallelize_moe`` training: losses, final full params and each step's per-device drop counts."""
     hsdp = replica > 1
     mesh = make_mesh((replica, ep, fsdp), ("replica", "ep", "fsdp")) if hsdp else \
         make_mesh((ep, fsdp), ("ep", "fsdp"))
     runtime = parallelize_moe(model, mesh, replica_axis="replica" if hsdp else None,
-                              capacity_factor=capacity_factor)
+                              capacity_factor=capacity_factor, mp_policy=mp_policy)
     opt = optax.adamw(LR, weight_decay=0.1)
     buffers = runtime.shard_params(model_params(model))
     state, model_state = runtime.fsdp.init(opt, buffers), runtime.init_model_state()
@@ -160,12 +180,12 @@ def routed_forward(model: MoEDecoder, tokens: np.ndarray, capacity: int | None) 
 _REFERENCES: dict[str, tuple] = {}
 
 
-def reference(name: str, fsdp: int) -> tuple[list[float], list[dict], np.ndarray]:
-    key = f"{name}/{fsdp}"
+def reference(name: str, fsdp: int, dtype=None) -> tuple[list[float], list[dict], np.ndarray]:
+    key = f"{name}/{fsdp}/{dtype}"
     if key not in _REFERENCES:
         model = build(name)
         data = batches(model.config.vocab_size, fsdp)
-        _REFERENCES[key] = (*train_reference(model, data), data)
+        _REFERENCES[key] = (*train_reference(model, data, dtype), data)
     return _REFERENCES[key]
 
 
@@ -228,3 +248,28 @@ def test_dropped_assignments_equal_a_numpy_count(name):
     np.testing.assert_array_equal(got, np.array(want_drops))
     assert got.sum() > 0, "capacity factor 0.5 dropped nothing: the test would not see drops"
     np.testing.assert_allclose(losses[0], np.mean(device_loss), rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("ep,fsdp,replica", BF16_CASES)
+def test_bf16_policy_within_the_policys_own_distance_from_fp32(name, ep, fsdp, replica):
+    """bf16 gathers, compute and all-to-all, fp32 reduce and masters, against the policy reference (each
+    device batch on its own bf16 copy, gradients summed in fp32) and fp32 training (see the module doc)."""
+    fp32_losses, fp32_history, data = reference(name, fsdp)
+    policy_losses, policy_history, _ = reference(name, fsdp, jnp.bfloat16)
+    policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
+    losses, params, _ = train_ep(build(name), data, ep, fsdp, replica, mp_policy=policy)
+    assert all(v.dtype == np.float32 for v in params.values())  # masters stay fp32
+    base_loss, base_params = rel_err(policy_losses, fp32_losses), worst(policy_history[-1], fp32_history[-1])
+    assert 0 < base_loss <= BF16_RTOL, base_loss  # the case computed in bf16, within bf16's bound
+    d = {"loss_vs_fp32": rel_err(losses, fp32_losses), "loss_vs_policy": rel_err(losses, policy_losses),
+         "params_vs_policy": worst(params, policy_history[-1]), "base_loss": base_loss,
+         "base_params": base_params}
+    assert d["loss_vs_fp32"] <= 2 * base_loss and d["loss_vs_policy"] <= 2 * base_loss, d
+    assert d["params_vs_policy"] <= 2 * base_params, d
+
+
+def worst(got: dict, want: dict) -> float:
+    """The worst tensor's relative error."""
+    assert sorted(got) == sorted(want)
+    return max(rel_err(got[k], want[k]) for k in want)

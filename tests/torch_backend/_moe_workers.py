@@ -31,6 +31,7 @@ from tests.torch_backend._dist import run_cases
 from tests.torch_backend._user_model_workers import rel_errors
 
 MODELS = ("mixtral-tiny", "gpt-oss-tiny", "deepseek-v3-tiny")
+EP_MODELS = MODELS[:2]  # the two storage styles: per-expert modules, fused 3-D experts with biases
 STEPS, ROWS, SEQ, SEED, LR, WEIGHT_DECAY = 5, 4, 8, 0, 1e-2, 0.1  # 4 rows: an even split over 2 and 4 ranks
 
 
@@ -56,12 +57,17 @@ def build(name: str):
     return model
 
 
-def batch(step: int, vocab: int) -> torch.Tensor:
-    """(ROWS, SEQ + 1) token ids; rows 0 and 1 are one token repeated (those ranks route alike), and at
-    step 0 every row is but the last row's second half (few experts run: many are idle everywhere)."""
+def n_rows(world: int) -> int:
+    """Rows of a batch: ``ROWS``, or one per rank on more ranks."""
+    return max(ROWS, world)
+
+
+def batch(step: int, vocab: int, world: int) -> torch.Tensor:
+    """(n_rows(world), SEQ + 1) token ids; rows 0 and 1 are one token repeated (those ranks route alike), and
+    at step 0 every row is but the last row's second half (few experts run: many are idle everywhere)."""
     rng = np.random.default_rng([SEED, step])
-    rows = rng.integers(0, vocab, (ROWS, SEQ + 1))
-    rows[:ROWS if step == 0 else 2] = rng.integers(0, vocab)
+    rows = rng.integers(0, vocab, (n_rows(world), SEQ + 1))
+    rows[:len(rows) if step == 0 else 2] = rng.integers(0, vocab)
     if step == 0:  # a few tokens differ: attention still gets a gradient (all-equal rows give none)
         rows[-1, SEQ // 2:] = rng.integers(0, vocab, SEQ // 2 + 1)
     return torch.from_numpy(rows)
@@ -80,7 +86,7 @@ def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype) -> tu
     worlds = (world,) * STEPS if isinstance(world, int) else world
     for step, world in enumerate(worlds):
         step_loss = 0.0
-        for rows in batch(step, c.vocab_size).chunk(world):
+        for rows in batch(step, c.vocab_size, world).chunk(world):
             compute = copy.deepcopy(master).to(dtype)
             loss = moe_loss(compute(rows[:, :-1]), rows[:, 1:], c.aux_loss_coef)
             loss.backward()
@@ -135,11 +141,11 @@ def train(model, opt, name: str, rank: int, world: int, steps: range,
     from torch_backend.models import moe_loss
 
     c = config(name)
-    n = ROWS // world
+    n = n_rows(world) // world
     losses = []
     for step in steps:
         before_step()
-        rows = batch(step, c.vocab_size)[rank * n:(rank + 1) * n]
+        rows = batch(step, c.vocab_size, world)[rank * n:(rank + 1) * n]
         loss = moe_loss(model(rows[:, :-1]), rows[:, 1:], c.aux_loss_coef)
         loss.backward()
         opt.step()
@@ -180,19 +186,38 @@ def global_expert_names(params: dict, name: str, ep_mesh) -> dict:
     return out
 
 
-def ep_case(name: str, rank: int, world: int, ep: int) -> dict:
-    """Expert parallelism on an (ep, world / ep) mesh, every other parameter over all ranks, fp32."""
-    ep_mesh = init_device_mesh("cpu", (ep, world // ep), mesh_dim_names=("ep", "fsdp"))
-    losses, params, (routes, received) = sharded(name, init_device_mesh("cpu", (world,)), rank, world, False,
-                                                 ep_mesh)
-    want_losses, want = reference(name, world, torch.float32)
-    got, ref = held_and_reference(params, name, ep_mesh, want)
-    held = sum(p.numel() for n, p in got.items() if ".experts." in n)
-    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
-    return {"routes": routes, "received": received, "top_k": config(name).top_k,
-            "n_experts": config(name).n_experts, "fp32": {"loss": loss, "params": rel_errors(got, ref)},
-            "expert_numel_held": held,
-            "expert_numel_total": sum(p.numel() for n, p in want.items() if ".experts." in n)}
+def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: bool = False) -> dict:
+    """Expert parallelism on an (ep, fsdp) mesh, every other parameter over all ranks; with ``replicas``
+    (HSDP) on a (replicas, ep, fsdp) mesh, the rest on (replicas, ep * fsdp). fp32, or bf16 under the
+    mixed-precision policy: then also compared with the policy reference, and that reference with fp32
+    training (``policy_vs_fp32``: the policy's own distance, which FSDP2 and plain FSDP reproduce)."""
+    fsdp = world // (replicas * ep)
+    if replicas == 1:
+        ep_mesh = init_device_mesh("cpu", (ep, fsdp), mesh_dim_names=("ep", "fsdp"))
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        ep_mesh = init_device_mesh("cpu", (replicas, ep, fsdp), mesh_dim_names=("replicate", "ep", "fsdp"))
+        mesh = init_device_mesh("cpu", (replicas, ep * fsdp))
+    losses, params, (routes, received) = sharded(name, mesh, rank, world, bf16, ep_mesh)
+    out = {"rank": rank, "routes": routes, "received": received, "top_k": config(name).top_k,
+           "n_experts": config(name).n_experts}
+    refs = {label: reference(name, world, dtype)
+            for label, dtype in [("fp32", torch.float32)] + ([("policy", torch.bfloat16)] if bf16 else [])}
+    for label, (want_losses, want) in refs.items():
+        got, ref = held_and_reference(params, name, ep_mesh, want)
+        out[label] = {"loss": loss_error(losses, want_losses), "params": rel_errors(got, ref)}
+    if bf16:
+        (fp32_losses, fp32_params), (policy_losses, policy_params) = refs["fp32"], refs["policy"]
+        out["policy_vs_fp32"] = {"loss": loss_error(policy_losses, fp32_losses),
+                                 "params": rel_errors(policy_params, fp32_params)}
+    out["expert_numel_held"] = sum(p.numel() for n, p in got.items() if ".experts." in n)
+    out["expert_numel_total"] = sum(p.numel() for n, p in want.items() if ".experts." in n)
+    return out
+
+
+def loss_error(losses: list[float], want: list[float]) -> float:
+    """The worst step's relative loss error."""
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, want))
 
 
 def held_and_reference(params: dict, name: str, ep_mesh, want: dict) -> tuple[dict, dict]:
@@ -219,4 +244,31 @@ def checks(rank: int, world: int) -> dict:
         skewed = f"gpt-oss-tiny{SKEWED}"
         for ep in (2, 4):
             cases[f"{skewed}/ep{ep}"] = lambda ep=ep: ep_case(skewed, rank, world, ep)
+        cases["ep-mesh-refused"] = lambda: refused_ep_mesh(("ep", "replicate", "fsdp"))
     return run_cases(cases)
+
+
+def refused_ep_mesh(dims: tuple[str, ...]) -> str:
+    """``expert_parallel``'s error for a mesh whose dims are not (replicate?, ep, fsdp)."""
+    from torch_backend.models.expert_parallel import expert_parallel
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=dims)
+    try:
+        expert_parallel(build("mixtral-tiny"), mesh)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def ep_bf16_checks(rank: int, world: int) -> dict:
+    """Expert parallelism in bf16 under the mixed-precision policy at (ep, fsdp) = (2, 2) on 4 ranks."""
+    return run_cases({f"{name}/ep2-bf16": lambda name=name: ep_case(name, rank, world, 2, bf16=True)
+                      for name in EP_MODELS})
+
+
+def hsdp_checks(rank: int, world: int, bf16: bool) -> dict:
+    """Expert parallelism with HSDP: (replicas, ep, fsdp) = (2, 2, 2) on 8 ranks, in fp32 (and with routing
+    skewed onto EP rank 0's experts) or bf16."""
+    names = EP_MODELS + (() if bf16 else (f"gpt-oss-tiny{SKEWED}",))
+    return run_cases({f"{name}/hsdp2-ep2": lambda name=name: ep_case(name, rank, world, 2, 2, bf16)
+                      for name in names})

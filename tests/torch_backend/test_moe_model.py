@@ -125,3 +125,28 @@ def test_only_experts_with_tokens_run_and_empty_ones_get_no_gradient(name):
             assert torch.count_nonzero(moe.experts.down_proj.grad[e]) == 0
         else:
             assert moe.experts[e].w1.weight.grad is None
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("ep,fsdp,granularity", [(2, 2, None), (4, 1, None), (2, 4, "rows:4"),
+                                                 (4, 2, "tiles:2x16")])
+def test_an_ep_ranks_experts_unit_is_the_cores_expert_parallel_plan(name, ep, fsdp, granularity):
+    """What ``expert_parallel`` hands to ``fully_shard`` for EP rank 1 (its experts, local names) plans, by
+    ``plan_module``, to exactly the core's ``plan_expert_parallel(...).local``: the Layout the JAX backend
+    composes over (ep, fsdp); the global names torch writes in checkpoints are that plan's sources."""
+    from ragged.models import plan_expert_parallel
+    from torch_backend.fsdp import plan_module
+    from torch_backend.models.expert_parallel import _keep_local_experts
+
+    c = MOE_CONFIGS[name]
+    if c.n_experts % ep:
+        pytest.skip(f"{name} has {c.n_experts} experts")
+    torch.manual_seed(0)
+    model = MoEDecoder(c)
+    n_local = c.n_experts // ep
+    units = plan_expert_parallel(c, ep, fsdp, granularity or "rows:1")
+    moe_layers = model.layers[c.n_dense_layers:]
+    assert len(units) == len(moe_layers) > 0
+    for layer, unit in zip(moe_layers, units):
+        _keep_local_experts(layer.feed_forward.experts, n_local, 2 * n_local)
+        assert plan_module(layer.feed_forward.experts, fsdp, granularity, root=model) == unit.local

@@ -3,8 +3,11 @@ all-to-all, composed with ragged FSDP (torchtitan's EP + FSDP arrangement).
 
 On a 2-D ``(ep, fsdp)`` mesh, EP rank ``i`` keeps experts ``[i E/ep, (i+1) E/ep)`` of every MoE layer and
 drops the others; those experts are one FSDP unit sharded over the ``fsdp`` dim (the ranks that hold
-the same experts); everything else is sharded over all ranks by ``parallelize``. Each MoE layer's
-experts module is wrapped by two hooks, as torchtitan's ``ExpertParallel`` does:
+the same experts); everything else is sharded over all ranks by ``parallelize``. On a 3-D
+``(replicate, ep, fsdp)`` mesh (HSDP) the experts unit is sharded over ``fsdp`` and replicated over
+``replicate``, and ``parallelize`` takes the 2-D ``(replicate, ep * fsdp)`` mesh for the rest: tokens move
+along ``ep`` inside one replica. Each MoE layer's experts module is wrapped by two hooks, as torchtitan's
+``ExpertParallel`` does:
 
 - before it runs (dispatch): the rank sorts its ``tokens x top_k`` assignments by expert, exchanges the
   per-expert counts with one fixed-size ``all_to_all_single`` over ``ep`` (always first, whatever the
@@ -16,15 +19,16 @@ experts module is wrapped by two hooks, as torchtitan's ``ExpertParallel`` does:
 So the collectives and their order never depend on the data (only their split sizes do), and a rank
 whose experts received nothing still runs the experts unit, with empty tensors (fused experts then still
 get their zero gradient, as a whole fused tensor does in one process). Gradients: FSDP averages
-an expert's gradient over its ``fsdp`` ranks, but each of those already summed the tokens of all ``ep``
-ranks; a ``1/ep`` on the experts' gradients (and ``ep`` back on their inputs') makes it the mean over
-every rank, as for the other parameters.
+an expert's gradient over its ``fsdp`` ranks (and replicas), but each of those already summed the tokens
+of all ``ep`` ranks; a ``1/ep`` on the experts' gradients (and ``ep`` back on their inputs') makes it the
+mean over every rank, as for the other parameters.
 
 Names. In the module tree an EP rank's experts keep local indices (EP rank 1 of 2 with 8 experts calls
 expert 4 ``experts.0``; a fused tensor holds rows ``[4, 8)``): an ``nn.ModuleList`` numbers its children
 from 0 and a fused tensor has one name. Checkpoints use the one-process names: each expert parameter carries
 a ``CheckpointAs`` (``experts.4.w1.weight``; a fused slice as the whole ``[E, ...]`` tensor, ``Shard(0)``
-over ``ep`` around its ragged shard over ``fsdp``), so a DCP checkpoint moves between (ep, fsdp) layouts.
+over ``ep`` around its ragged shard over ``fsdp``, and ``Replicate`` over the replicas under HSDP), so a DCP
+checkpoint moves between (ep, fsdp) layouts.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from ragged.models import ExpertParallelUnit, moe_shapes, plan_expert_parallel
 from torch_backend.fsdp import GranularityArg, MixedPrecisionPolicy, fully_shard
 from torch_backend.fsdp._dcp_checkpoint import CheckpointAs
+from torch_backend.models.llama import OneProcessPlace
 from torch_backend.models.moe import ExpertList, FusedExperts, MoEDecoder
 
 
@@ -137,14 +143,36 @@ def _keep_local_experts(experts: nn.Module, lo: int, hi: int) -> None:
     experts.n_experts = hi - lo
 
 
-def _name_globally(experts: nn.Module, ep_mesh: DeviceMesh, lo: int, n_experts: int) -> None:
-    """Give each (sharded) expert parameter its one-process name and shape in checkpoints."""
+def _one_process_places(model: MoEDecoder, units: tuple[ExpertParallelUnit, ...], ep_rank: int
+                        ) -> dict[str, OneProcessPlace]:
+    """Where each parameter this EP rank keeps sits in the one-process model (whose order the core's
+    ``moe_shapes`` gives): other parameters where they are, expert ``g`` or rows ``[lo, hi)`` of a fused
+    tensor where the core's plan says this rank's experts come from."""
+    whole = [t for u in moe_shapes("", model.config).units for t in u.tensors]
+    index = {fqn: i for i, (fqn, _) in enumerate(whole)}
+    places = {fqn: OneProcessPlace(i) for fqn, i in index.items() if ".experts." not in fqn}
+    for unit in units:
+        k = len(unit.local.tensors)
+        for t, s in zip(unit.local.tensors, unit.sources[ep_rank * k:(ep_rank + 1) * k]):
+            i = index[s.fqn]
+            places[t.name] = OneProcessPlace(i, s.lo, s.hi, None if s.lo is None else whole[i][1])
+    return places
+
+
+def _name_globally(experts: nn.Module, unit: ExpertParallelUnit, ep_rank: int, whole_mesh: DeviceMesh,
+                   n_experts: int) -> None:
+    """Give each (sharded) expert parameter the one-process name the core's composed plan gives it and, for
+    a fused slice, the whole tensor's shape on ``whole_mesh`` (``ep`` first, then the experts unit's mesh
+    dims) in checkpoints."""
+    prefix, k = unit.name + ".", len(unit.local.tensors)
+    holds = {t.name.removeprefix(prefix): s for t, s in zip(unit.local.tensors,
+                                                             unit.sources[ep_rank * k:(ep_rank + 1) * k])}
     for name, p in experts.named_parameters():
-        if isinstance(experts, ExpertList):  # "0.w1.weight" -> "4.w1.weight"
-            local, _, rest = name.partition(".")
-            p.checkpoint_as = CheckpointAs(name, f"{lo + int(local)}.{rest}")
-        else:  # rows [lo, lo + E/ep) of the [E, ...] tensor
-            p.checkpoint_as = CheckpointAs(name, name, ep_mesh, Shard(0), (n_experts, *p.shape[1:]))
+        source = holds[name]  # "0.w1.weight" holds "...experts.4.w1.weight"; "gate_up_proj" rows [lo, hi)
+        if source.lo is None:
+            p.checkpoint_as = CheckpointAs(name, source.fqn.removeprefix(prefix))
+        else:
+            p.checkpoint_as = CheckpointAs(name, name, whole_mesh, Shard(0), (n_experts, *p.shape[1:]))
 
 
 def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_forward: bool = True,
@@ -152,38 +180,53 @@ def expert_parallel(model: MoEDecoder, ep_mesh: DeviceMesh, *, reshard_after_for
                     ) -> MoEDecoder:
     """Keep this EP rank's experts of every MoE layer, shard them over ``fsdp`` and hook their dispatch.
 
-    Call before ``parallelize`` (which then shards the rest over all ranks).
+    Call before ``parallelize`` (which then shards the rest over all ranks; under HSDP on the 2-D
+    ``(replicate, ep * fsdp)`` mesh of the same ranks).
 
     Example:
         >>> ep_mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("ep", "fsdp"))
         >>> expert_parallel(model, ep_mesh)
         >>> parallelize(model, init_device_mesh("cuda", (8,)))
+        >>> # HSDP, 2 replicas of (ep, fsdp) = (2, 2):
+        >>> dims = ("replicate", "ep", "fsdp")
+        >>> expert_parallel(model, init_device_mesh("cuda", (2, 2, 2), mesh_dim_names=dims))
+        >>> parallelize(model, init_device_mesh("cuda", (2, 4)))
 
     Args:
         model: an ``MoEDecoder`` with every expert, built and initialised (the same values on every rank).
-        ep_mesh: a 2-D mesh with dims ``("ep", "fsdp")`` over every rank.
+        ep_mesh: a mesh over every rank with dims ``("ep", "fsdp")``, or ``("replicate", "ep", "fsdp")`` for
+            HSDP (the experts unit replicated over ``replicate``).
         reshard_after_forward, mp_policy, granularity: passed to the experts' ``fully_shard``.
 
     Raises:
-        ValueError: the mesh is not ``(ep, fsdp)`` or ``ep`` does not divide the number of experts.
+        ValueError: the mesh dims are not those, or ``ep`` does not divide the number of experts.
     """
-    if ep_mesh.ndim != 2 or ep_mesh.mesh_dim_names != ("ep", "fsdp"):
-        raise ValueError(f"expert_parallel: ep_mesh must be 2-D with dims ('ep', 'fsdp'), got "
-                         f"{ep_mesh.mesh_dim_names} of shape {tuple(ep_mesh.shape)}")
-    c, ep = model.config, ep_mesh.size(0)
+    if ep_mesh.mesh_dim_names not in (("ep", "fsdp"), ("replicate", "ep", "fsdp")):
+        raise ValueError(f"expert_parallel: ep_mesh must have dims ('ep', 'fsdp') or ('replicate', 'ep', "
+                         f"'fsdp') (HSDP), got {ep_mesh.mesh_dim_names} of shape {tuple(ep_mesh.shape)}")
+    c, ep = model.config, ep_mesh.size(ep_mesh.mesh_dim_names.index("ep"))
     if c.n_experts % ep:
         raise ValueError(f"expert_parallel: ep={ep} must divide the {c.n_experts} experts of each MoE layer")
     n_local = c.n_experts // ep
     lo = ep_mesh.get_local_rank("ep") * n_local
+    experts_mesh, whole_mesh = ep_mesh["fsdp"], ep_mesh
+    if ep_mesh.ndim == 3:  # HSDP: a fused tensor whole is Shard(0) over ep around (Replicate, RaggedShard)
+        experts_mesh = ep_mesh["replicate", "fsdp"]
+        if c.experts == "fused":
+            whole_mesh = DeviceMesh(ep_mesh.device_type, ep_mesh.mesh.permute(1, 0, 2).contiguous(),
+                                    mesh_dim_names=("ep", "replicate", "fsdp"))
     moe_layers = model.layers[c.n_dense_layers:]
+    # The core's plan of every EP rank's experts (the JAX backend shards by it): here, the global names
+    units = plan_expert_parallel(c, ep, ep_mesh.size(ep_mesh.mesh_dim_names.index("fsdp")))
+    model.one_process_places = _one_process_places(model, units, ep_mesh.get_local_rank("ep"))
     for layer in moe_layers:  # every new (sliced) parameter exists before fully_shard frees any original:
         _keep_local_experts(layer.feed_forward.experts, lo, lo + n_local)  # it tells units apart by id()
-    for layer in moe_layers:
+    for layer, unit in zip(moe_layers, units, strict=True):
         experts = layer.feed_forward.experts
         hooks = _ExpertParallelHooks(c.n_experts, ep_mesh.get_group("ep"), ep)
         experts.register_forward_pre_hook(hooks.dispatch)  # after FSDP's (it prepends its own)
-        fully_shard(experts, mesh=ep_mesh["fsdp"], reshard_after_forward=reshard_after_forward,
+        fully_shard(experts, mesh=experts_mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mp_policy, granularity=granularity)
         experts.register_forward_hook(hooks.combine, prepend=True)  # before FSDP's post-forward
-        _name_globally(experts, ep_mesh, lo, c.n_experts)
+        _name_globally(experts, unit, ep_mesh.get_local_rank("ep"), whole_mesh, c.n_experts)
     return model

@@ -9,7 +9,8 @@ meta device; ``init_weights(seed)`` then gives every parameter the same values a
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -134,8 +135,20 @@ class Llama(nn.Module):
         init_parameters(self, seed, only)
 
 
+class OneProcessPlace(NamedTuple):
+    """Where a parameter of a model that holds part of a larger one (expert parallelism) sits in the
+    one-process model: its position in ``named_parameters()`` order, and for a slice of a larger tensor
+    the rows ``[lo, hi)`` it holds of that tensor's ``shape``."""
+
+    index: int
+    lo: int | None = None
+    hi: int | None = None
+    shape: tuple[int, ...] | None = None
+
+
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | None = None) -> None:
+def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | None = None,
+                    places: Mapping[str, OneProcessPlace] | None = None) -> None:
     """Give every parameter its initial value: a function of ``seed`` and its position only.
 
     Parameter ``i`` (in ``named_parameters()`` order) is drawn on CPU from its own generator seeded
@@ -143,17 +156,22 @@ def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | Non
     value depends on the device or on other parameters, a model built on the meta device and
     sharded first gets exactly the values of a model built in one process. ``only`` (FQNs) limits
     it to some parameters with unchanged values, e.g. one unsharded FSDP unit at a time. A parameter that
-    tensor parallelism made a DTensor gets its part of the same value.
+    tensor parallelism made a DTensor gets its part of the same value. ``places`` (by FQN): the position
+    each parameter has in the one-process model, when this model holds part of it (an EP rank's experts).
     """
     for i, (name, p) in enumerate(model.named_parameters()):
         if only is not None and name not in only:
             continue
-        g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        place = OneProcessPlace(i) if places is None else places[name]
+        g = torch.Generator().manual_seed(seed * 1_000_003 + place.index)
+        shape = p.shape if place.shape is None else place.shape
         if name.endswith("norm.weight"):
-            value = torch.ones(p.shape)
+            value = torch.ones(shape)
         else:
             std = 1.0 if name.startswith("tok_embeddings") else 0.02
-            value = torch.randn(p.shape, generator=g) * std
+            value = torch.randn(shape, generator=g) * std
+        if place.lo is not None:  # rows of a larger tensor (a fused experts slice)
+            value = value[place.lo:place.hi]
         if isinstance(p, DTensor):  # split by tensor parallelism: this rank's part, cut locally
             value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
         p.copy_(value)

@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ragged.models import MOE_CONFIGS, MoeConfig
-from torch_backend.models.llama import Attention, FeedForward, RMSNorm, cross_entropy, init_parameters
+from torch_backend.models.llama import (
+    Attention,
+    FeedForward,
+    OneProcessPlace,
+    RMSNorm,
+    cross_entropy,
+    init_parameters,
+)
 
 
 class Router(nn.Module):
@@ -158,6 +165,9 @@ class MoEDecoder(nn.Module):
         self.layers = nn.ModuleList([TransformerBlock(c, c.is_moe(i)) for i in range(c.n_layers)])
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
+        # Set by expert_parallel, which drops the other EP ranks' experts: each parameter's place in the
+        # one-process model, so init_weights (on the meta device, unit by unit) gives it that value.
+        self.one_process_places: dict[str, OneProcessPlace] | None = None
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.tok_embeddings(tokens)  # (B, T, dim)
@@ -169,8 +179,9 @@ class MoEDecoder(nn.Module):
         return self.output(self.norm(h)), torch.stack(aux).sum() / n_moe
 
     def init_weights(self, seed: int = 0, only: Collection[str] | None = None) -> None:
-        """Give every parameter its initial value (``llama.init_parameters``: the same rule as the llama)."""
-        init_parameters(self, seed, only)
+        """Give every parameter its initial value (``llama.init_parameters``: the same rule as the llama);
+        under expert parallelism each kept expert gets the value it has in one process."""
+        init_parameters(self, seed, only, places=self.one_process_places)
 
 
 def moe_loss(output: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor, aux_loss_coef: float
