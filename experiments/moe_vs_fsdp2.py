@@ -342,7 +342,10 @@ def _torch_markdown(s: dict) -> str:
             "experts over the fsdp ranks). Rank 0's times; copies and buffers the largest over ranks. "
             "Copies: torch_vs_fsdp2's meter (copy ops outside collective calls) minus the plain model's own; "
             "expert parallelism's token gather and `index_add` are its dispatch, not copies, and are not "
-            "counted."]
+            "counted. Load average (1, 5, 15 min) before "
+            + ", ".join(f"{x:.1f}" for x in s["load_average"]["before"]) + ", after "
+            + ", ".join(f"{x:.1f}" for x in s["load_average"]["after"])
+            + f" on {os.cpu_count()} CPUs: above the CPU count the step times are noisy."]
     for name in TORCH_MODELS:
         m = s[name]
         text += ["", f"### {name}", "", "| metric | " + " | ".join(VARIANTS) + " |",
@@ -383,10 +386,12 @@ def main() -> None:
         import torch
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        load_before = os.getloadavg()
         summary["torch"] = {"world": WORLD, "ep": EP, "batch_per_rank": [BATCH, SEQ], "warmup": args.warmup,
                             "steps": args.steps, "torch": torch.__version__,
                             **{name: _torch_summary(_launch(name, args.warmup, args.steps))
                                for name in TORCH_MODELS}}
+        summary["torch"]["load_average"] = {"before": load_before, "after": os.getloadavg()}
         text += "\n" + _torch_markdown(summary["torch"])
     summary["wall_s"] = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
