@@ -8,9 +8,12 @@ Both runtimes execute these plans; nothing here touches a tensor of a framework.
   ``bucket_holdings``: one bucket's matrices as one redistribution;
 - ``assign_groups``: NS devices per matrix, splitting matrices over groups to reach a ``max / mean``
   target; ``group_load`` and ``split_newton_schulz_*``: its costs and a numpy reference;
-- ``newton_schulz_flops`` / ``newton_schulz_load``, ``NS_COEFFS`` / ``NS_STEPS``, ``muon_scale``.
+- ``newton_schulz_flops`` / ``newton_schulz_load``, ``NS_COEFFS`` / ``NS_STEPS``, ``muon_scale``;
+- ``muon_matrices``: which parameters are matrices (3-D stacks of fused experts: one per expert);
+  ``matrix_placement``: what each device holds of one matrix of a stack.
 """
 
+from ragged.muon._matrices import matrix_placement, muon_matrices
 from ragged.muon._ns_devices import (
     NS_COEFFS,
     NS_STEPS,
@@ -33,6 +36,8 @@ __all__ = [
     "NS_COEFFS",
     "NS_STEPS",
     "muon_scale",
+    "muon_matrices",
+    "matrix_placement",
     "newton_schulz_flops",
     "newton_schulz_load",
     "assign_ns_devices",

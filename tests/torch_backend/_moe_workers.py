@@ -67,15 +67,21 @@ def batch(step: int, vocab: int) -> torch.Tensor:
     return torch.from_numpy(rows)
 
 
-def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype) -> tuple[list[float], dict]:
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype,
+              optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = adamw
+              ) -> tuple[list[float], dict]:
     """Single-process training: each step, every rank's rows forward and backward apart on a ``dtype``
-    copy of the fp32 master; gradients summed in fp32 and averaged; AdamW on the master. ``world``: the
-    ranks, or the ranks of each step (a run resumed at another world size)."""
+    copy of the fp32 master; gradients summed in fp32 and averaged; ``optimizer`` (AdamW) on the master.
+    ``world``: the ranks, or the ranks of each step (a run resumed at another world size)."""
     from torch_backend.models import moe_loss
 
     c = config(name)
     master = build(name)
-    opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = optimizer(master)
     losses = []
     worlds = (world,) * STEPS if isinstance(world, int) else world
     for step, world in enumerate(worlds):
@@ -100,8 +106,10 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) -> tuple:
-    """``parallelize`` (after ``expert_parallel`` on ``ep_mesh``) and train on this rank's rows.
+def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None, optimizer=adamw,
+            granularity=None) -> tuple:
+    """``parallelize`` (after ``expert_parallel`` on ``ep_mesh``, both with ``granularity``) and train on
+    this rank's rows with ``optimizer`` (AdamW).
 
     Returns the mean losses, the full parameters and the experts each MoE layer's router chose here per
     step (with ``ep_mesh``: and the rows this rank's experts received, per step and layer)."""
@@ -113,8 +121,8 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) ->
     model = build(name)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     if ep_mesh is not None:
-        expert_parallel(model, ep_mesh, mp_policy=mp)
-    parallelize(model, mesh, mp_policy=mp)
+        expert_parallel(model, ep_mesh, mp_policy=mp, granularity=granularity)
+    parallelize(model, mesh, mp_policy=mp, granularity=granularity)
     routes: list[list[list[int]]] = []
     received: list[list[int]] = []  # expert parallelism: rows this rank's experts received, per layer
     for layer in model.layers[c.n_dense_layers:]:
@@ -123,7 +131,7 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) ->
         if ep_mesh is not None:  # runs after the dispatch hook: sees what arrived
             layer.feed_forward.experts.register_forward_pre_hook(
                 lambda _m, args: received[-1].append(len(args[0])))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = optimizer(model)
     losses = train(model, opt, name, rank, world, range(STEPS),
                    before_step=lambda: (routes.append([]), received.append([])))
     return losses, full_params(model), routes if ep_mesh is None else (routes, received)
@@ -131,7 +139,7 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) ->
 
 def train(model, opt, name: str, rank: int, world: int, steps: range,
           before_step: Callable[[], object] = lambda: None) -> list[float]:
-    """AdamW steps ``steps`` of the sharded ``model`` on this rank's rows; the mean loss of each step."""
+    """Optimizer steps ``steps`` of the sharded ``model`` on this rank's rows; the mean loss of each step."""
     from torch_backend.models import moe_loss
 
     c = config(name)
@@ -180,12 +188,13 @@ def global_expert_names(params: dict, name: str, ep_mesh) -> dict:
     return out
 
 
-def ep_case(name: str, rank: int, world: int, ep: int) -> dict:
-    """Expert parallelism on an (ep, world / ep) mesh, every other parameter over all ranks, fp32."""
+def ep_case(name: str, rank: int, world: int, ep: int, optimizer=adamw, granularity=None) -> dict:
+    """Expert parallelism on an (ep, world / ep) mesh, every other parameter over all ranks, fp32; trained
+    and referenced with ``optimizer`` (AdamW), sharded with ``granularity``."""
     ep_mesh = init_device_mesh("cpu", (ep, world // ep), mesh_dim_names=("ep", "fsdp"))
     losses, params, (routes, received) = sharded(name, init_device_mesh("cpu", (world,)), rank, world, False,
-                                                 ep_mesh)
-    want_losses, want = reference(name, world, torch.float32)
+                                                 ep_mesh, optimizer, granularity)
+    want_losses, want = reference(name, world, torch.float32, optimizer)
     got, ref = held_and_reference(params, name, ep_mesh, want)
     held = sum(p.numel() for n, p in got.items() if ".experts." in n)
     loss = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))

@@ -1,0 +1,48 @@
+"""Which parameters Muon orthogonalizes, as which matrices, and where each matrix of a stack lies.
+
+Muon orthogonalizes matrices: a 2-D weight is one, and a 3-D parameter ``[E, m, n]`` is a *stack* of ``E``
+matrices ``p[e]`` (fused experts: ``gate_up_proj [E, dim, 2f]``, ``down_proj [E, f, dim]``, one matrix per
+expert), each orthogonalized on its own, as when every expert is its own module. Everything else gets
+AdamW: vectors, and biases whatever their shape (fused experts' ``[E, n]`` biases are ``E`` vectors, not a
+matrix). Both stacks apply this one rule, so single-process Muon and Muon under expert parallelism (where
+an EP rank holds rows ``[lo, hi)`` of each stack) orthogonalize the same matrices.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ragged._placement import RaggedShard
+
+Shape = tuple[int, ...]
+_ROWS = re.compile(r"\[\d+:\d+\]$")  # a composed EP layout's row range: ``experts.gate_up_proj[0:4]``
+
+
+def muon_matrices(name: str, shape: Shape) -> int:
+    """How many matrices Muon orthogonalizes in the parameter ``name`` of ``shape`` (0: it gets AdamW).
+
+    A 2-D weight is 1 matrix, a 3-D stack ``[E, m, n]`` is ``E`` matrices of ``(m, n)``; a name ending in
+    ``bias`` (after a composed layout's ``[lo:hi]``) and every other shape are 0.
+    """
+    if _ROWS.sub("", name).endswith("bias") or len(shape) not in (2, 3):
+        return 0
+    return 1 if len(shape) == 2 else int(shape[0])
+
+
+def matrix_placement(placement: RaggedShard, shape: Shape, index: int, name: str = "tensor") -> RaggedShard:
+    """What each device holds of matrix ``index`` of the stack ``shape`` placed by ``placement``.
+
+    Every device's range of the stack meets the matrix's interval ``[index m n, (index + 1) m n)`` in one
+    interval (possibly empty), in device order, so the matrix's own placement is a ``RaggedShard`` of its
+    ``(m, n)`` shape with element units (``dims=(0, 1)``): each device's count of its elements.
+
+    Raises:
+        PlacementError: ``placement`` cannot shard ``shape`` (naming ``name``); IndexError: no such matrix.
+    """
+    if not 0 <= index < shape[0]:
+        raise IndexError(f"{name}: matrix {index} of a stack of {shape[0]} matrices {tuple(shape)}")
+    size = math.prod(shape[1:])
+    lo, hi = index * size, (index + 1) * size
+    units = tuple(max(0, min(b, hi) - max(a, lo)) for a, b in placement.ranges(shape, name))
+    return RaggedShard((0, 1), units)
