@@ -10,10 +10,11 @@ Both runtimes execute these plans; nothing here touches a tensor of a framework.
   target; ``group_load`` and ``split_newton_schulz_*``: its costs and a numpy reference;
 - ``newton_schulz_flops`` / ``newton_schulz_load``, ``NS_COEFFS`` / ``NS_STEPS``, ``muon_scale``;
 - ``muon_matrices``: which parameters are matrices (3-D stacks of fused experts: one per expert);
-  ``matrix_placement``: what each device holds of one matrix of a stack.
+  ``matrix_placement``: what each device holds of one matrix of a stack; ``matrix_layout``: a unit's
+  matrices as the tensors of a Layout.
 """
 
-from ragged.muon._matrices import matrix_placement, muon_matrices
+from ragged.muon._matrices import matrix_layout, matrix_placement, muon_matrices
 from ragged.muon._ns_devices import (
     NS_COEFFS,
     NS_STEPS,
@@ -38,6 +39,7 @@ __all__ = [
     "muon_scale",
     "muon_matrices",
     "matrix_placement",
+    "matrix_layout",
     "newton_schulz_flops",
     "newton_schulz_load",
     "assign_ns_devices",

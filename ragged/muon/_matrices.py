@@ -1,4 +1,5 @@
-"""Which parameters Muon orthogonalizes, as which matrices, and where each matrix of a stack lies.
+"""Which parameters Muon orthogonalizes, as which matrices, and where each matrix of a stack lies
+(``matrix_placement`` for one placed tensor, ``matrix_layout`` for a unit's buffer).
 
 Muon orthogonalizes matrices: a 2-D weight is one, and a 3-D parameter ``[E, m, n]`` is a *stack* of ``E``
 matrices ``p[e]`` (fused experts: ``gate_up_proj [E, dim, 2f]``, ``down_proj [E, f, dim]``, one matrix per
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 
+from ragged._layout import Layout, TensorSlot
 from ragged._placement import RaggedShard
 
 Shape = tuple[int, ...]
@@ -46,3 +48,23 @@ def matrix_placement(placement: RaggedShard, shape: Shape, index: int, name: str
     lo, hi = index * size, (index + 1) * size
     units = tuple(max(0, min(b, hi) - max(a, lo)) for a, b in placement.ranges(shape, name))
     return RaggedShard((0, 1), units)
+
+
+def matrix_layout(layout: Layout) -> Layout:
+    """The matrices of a unit as the tensors of a Layout of the same buffer (``muon_matrices``).
+
+    A 2-D weight keeps its slot; matrix ``e`` of a stack ``name`` becomes the tensor ``name[e]`` of shape
+    ``(m, n)`` over its interval of the stack (one-element blocks, align 1: a stack's granularity need not
+    keep a matrix's edges on shard boundaries); every other tensor is left out. A backend then gathers and
+    scatters each matrix by name with the same redistribution plans as a 2-D weight.
+    """
+    tensors = []
+    for t in layout.tensors:
+        count = muon_matrices(t.name, t.shape)
+        if count and len(t.shape) == 2:
+            tensors.append(t)
+        elif count:
+            size = math.prod(t.shape[1:])
+            tensors += [TensorSlot(f"{t.name}[{e}]", tuple(t.shape[1:]), 1, t.offset + e * size)
+                        for e in range(count)]
+    return Layout(layout.world_size, layout.shard_size, tuple(tensors), 1, layout.name)
