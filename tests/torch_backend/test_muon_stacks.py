@@ -23,8 +23,9 @@ SPECS = (("experts.gate_up_proj", (3, 32, 48), "rows:1"), ("experts.gate_up_proj
 LR, WD, ADAMW_LR = 0.02, 0.01, 1e-2
 
 
-def _muon(named, max_imbalance=None):
-    return Muon(named, lr=LR, weight_decay=WD, adamw_lr=ADAMW_LR, max_imbalance=max_imbalance)
+def _muon(named, max_imbalance=None, overlap=True):
+    return Muon(named, lr=LR, weight_decay=WD, adamw_lr=ADAMW_LR, max_imbalance=max_imbalance,
+                overlap=overlap)
 
 
 def test_muon_matrices_rule():
@@ -58,12 +59,13 @@ def test_a_stack_is_its_matrices_and_a_stacked_bias_gets_adamw():
     torch.testing.assert_close(got["experts.gate_up_proj_bias"], bias["b"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("max_imbalance", [None, 1.1])
-def test_sharded_stacks_equal_single_process_muon(max_imbalance):
+@pytest.mark.parametrize("max_imbalance,overlap", [(None, True), (None, False), (1.1, True)])
+def test_sharded_stacks_equal_single_process_muon(max_imbalance, overlap):
     """World 3: the planner cuts the stack's matrices across devices; each is gathered whole to its NS
-    device (``None``) or split over a group (1.1: 4 equal matrices on 3 devices are 1.5 x the mean)."""
+    device (``None``; NS-device buckets or one redistribution after another) or split over a group (1.1: 4
+    equal matrices on 3 devices are 1.5 x the mean)."""
     def make(named):
-        return _muon(named, max_imbalance)
+        return _muon(named, max_imbalance, overlap)
 
     params, grads = _fulls(SPECS, seed=1, steps=3)
     want = _train(make, params, grads)

@@ -90,12 +90,12 @@ class _Matrix(NamedTuple):
         return id(self.p), self.index
 
 
-def orthogonalize(update: torch.Tensor, m: _Matrix, ns_device: int,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Newton-Schulz of the whole matrix ``m`` from this device's flat slice ``update``; returns the slice.
+def orthogonalize(m: _Matrix, ns_device: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Newton-Schulz of the whole matrix ``m`` from this device's flat slice ``m.update``; returns the slice.
 
     A ragged-sharded matrix goes to ``ns_device`` and back (two redistributions); anything else is whole here.
     """
+    update = m.update
     if m.placements is None:
         return newton_schulz(update.view(m.shape), dtype=dtype).reshape(-1)
     mesh, placements, dim = m.p.device_mesh, m.placements, _ragged_dim(m.p)
@@ -277,7 +277,7 @@ class Muon(ParamwiseOptimizer):
                 self._overlapped(items)
         else:
             for m in whole:
-                self._apply(m, orthogonalize(m.update, m, self.ns_device(m.p, m.index), self.ns_dtype))
+                self._apply(m, orthogonalize(m, self.ns_device(m.p, m.index), self.ns_dtype))
         for items in _by_mesh_dim(split):
             self._split(items)
 
