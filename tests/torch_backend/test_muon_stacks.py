@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import ragged
-import ragged.muon
 from tests.torch_backend.test_optim import _fulls, _sharded, _train, run_threads
 from torch_backend.optim import Muon
 
@@ -26,20 +25,6 @@ LR, WD, ADAMW_LR = 0.02, 0.01, 1e-2
 def _muon(named, max_imbalance=None, overlap=True):
     return Muon(named, lr=LR, weight_decay=WD, adamw_lr=ADAMW_LR, max_imbalance=max_imbalance,
                 overlap=overlap)
-
-
-def test_muon_matrices_rule():
-    assert ragged.muon.muon_matrices("layers.0.feed_forward.experts.gate_up_proj", (8, 64, 96)) == 8
-    assert ragged.muon.muon_matrices("layers.0.feed_forward.experts.gate_up_proj_bias", (8, 96)) == 0
-    assert ragged.muon.muon_matrices("experts.down_proj_bias[4:8]", (4, 64)) == 0  # a composed EP name
-    assert ragged.muon.muon_matrices("layers.0.attention.wq.weight", (64, 64)) == 1
-    assert ragged.muon.muon_matrices("norm.weight", (64,)) == 0
-
-
-def test_matrix_placement_is_each_devices_part_of_the_matrix():
-    placement = ragged.RaggedShard((0, 1, 2), (50, 0, 94))  # elements of a (2, 4, 18) stack, 72 a matrix
-    parts = [ragged.muon.matrix_placement(placement, (2, 4, 18), e).ranges((4, 18)) for e in range(2)]
-    assert parts == [((0, 50), (50, 50), (50, 72)), ((0, 0), (0, 0), (0, 72))]
 
 
 def test_a_stack_is_its_matrices_and_a_stacked_bias_gets_adamw():
