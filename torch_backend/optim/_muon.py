@@ -1,16 +1,17 @@
 """Distributed Muon (veScale-FSDP Algorithm 2) on RaggedShard DTensors, AdamW for the other parameters.
 
-For each 2-D parameter: the momentum update runs on the local piece; the (Nesterov) momentum goes to
-``RaggedShard.whole_on(ns_device)`` (a gather), Newton-Schulz orthogonalizes it on that one device, the
-matrix's NS device (the other devices hold nothing and skip it), and the result goes back to the
-parameter's placement (a scatter) and is applied. NS devices are chosen once by the core's load
-balancing (``ragged.muon.assign_ns_devices`` over ``ragged.muon.newton_schulz_flops``), the same way on
-every device. With tensor parallelism a matrix is spread over the ragged mesh dim *and* its ``Shard``
-(TP) mesh dims: its NS device is one device of all of them together (its NS group, ``_muon_group``),
-so the gather brings every TP part too and the NS devices are balanced over ``dp * tp`` devices. With
-``max_imbalance`` (max / mean FLOPs per device; opt-in) the matrices that stop it
-are *split* (``ragged.muon.assign_groups``): a group of ``g`` devices each gets ``rows / g`` rows
-(``_muon_split``) and runs ``1/g`` of its Newton-Schulz, talking over a torch sub-group of the members.
+For each matrix (a 2-D weight, or one of a stack's, below): the momentum update runs on the local piece;
+the (Nesterov) momentum goes to ``RaggedShard.whole_on(ns_device)`` (a gather), Newton-Schulz
+orthogonalizes it on that one device, the matrix's NS device (the other devices hold nothing and skip
+it), and the result goes back to the parameter's placement (a scatter) and is applied. NS devices are
+chosen once by the core's load balancing (``ragged.muon.assign_ns_devices`` over
+``ragged.muon.newton_schulz_flops``), the same way on every device. With tensor parallelism a matrix is
+spread over the ragged mesh dim *and* its ``Shard`` (TP) mesh dims: its NS device is one device of all of
+them together (its NS group, ``_muon_group``), so the gather brings every TP part too and the NS devices
+are balanced over ``dp * tp`` devices. With ``max_imbalance`` (max / mean FLOPs per device; opt-in) the
+matrices that stop it are *split* (``ragged.muon.assign_groups``): a group of ``g`` devices each gets
+``rows / g`` rows (``_muon_split``) and runs ``1/g`` of its Newton-Schulz, talking over a torch sub-group
+of the members.
 Plain tensors (single process) and replicated DTensors run Newton-Schulz locally.
 
 Matrices are ``ragged.muon.muon_matrices``'s: 2-D weights, and each matrix ``p[e]`` of a 3-D stack (fused
