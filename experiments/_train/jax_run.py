@@ -68,16 +68,20 @@ def build(args, name: str, config: ragged.models.LlamaConfig, mesh, replicas: in
     from jax_backend.models import Llama, parallelize
 
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(args.seed)))
-    if args.granularity == "auto":
-        granularity = (lambda fqn, shape: ragged.quant.tile_granularity(shape)) \
-            if args.optimizer == "adam8bit" else "rows:1"
-    else:
-        granularity = args.granularity
+    granularity = _granularity(args)
     bf16 = args.dtype == "bf16"
     mp_policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32) if bf16 else MixedPrecisionPolicy()
     return parallelize(abstract, mesh, replica_axis="replica" if replicas > 1 else None,
                        granularity=granularity, mp_policy=mp_policy, remat=args.activation_checkpointing,
                        preset=name, tensor_axis="tensor" if args.tp > 1 else None)
+
+
+def _granularity(args):
+    """``--granularity``; auto: 32x32 tiles for adam8bit (``ragged.quant.tile_granularity``), else rows."""
+    if args.granularity != "auto":
+        return args.granularity
+    return (lambda fqn, shape: ragged.quant.tile_granularity(shape)) if args.optimizer == "adam8bit" \
+        else "rows:1"
 
 
 def build_moe(args, config: ragged.models.MoeConfig, mesh, replicas: int):
@@ -92,9 +96,8 @@ def build_moe(args, config: ragged.models.MoeConfig, mesh, replicas: int):
     model = MoEDecoder(config, rngs=nnx.Rngs(args.seed))
     bf16 = args.dtype == "bf16"
     mp_policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32) if bf16 else MixedPrecisionPolicy()
-    granularity = "rows:1" if args.granularity == "auto" else args.granularity
     runtime = parallelize_moe(model, mesh, replica_axis="replica" if replicas > 1 else None,
-                              granularity=granularity, mp_policy=mp_policy)
+                              granularity=_granularity(args), mp_policy=mp_policy)
     return runtime, runtime.shard_params(model_params(model))
 
 
@@ -106,13 +109,11 @@ def optimizer(args, fsdp):
 
     if args.optimizer == "adamw":
         return optax.adamw(args.lr, weight_decay=args.weight_decay)
-    if fsdp.expert_layouts:
-        raise SystemExit(f"--optimizer {args.optimizer}: expert parallelism takes element-wise optimizers "
-                         "(adamw) for now (docs/moe.md)")
     if args.optimizer == "adam8bit":
         tiles = shard_tiles(fsdp.layouts, fsdp.axis)
         return on_shards(adamw8bit(args.lr, weight_decay=args.weight_decay, tiles=tiles))
-    # both are layout-aware (tiles, Newton-Schulz roots), so they run on the unit shards as they are
+    # both are layout-aware (tiles, Newton-Schulz roots), so they run on the unit shards as they are (under
+    # expert parallelism on the composed layouts over (ep, fsdp))
     return on_shards(muon(args.lr, weight_decay=args.weight_decay, plan=muon_plan(fsdp.layouts, fsdp.axis)))
 
 

@@ -1,19 +1,22 @@
 """Muon as optax transformations, on whole matrices or distributed over FSDP unit shards (Algorithm 2).
 
-``scale_by_muon`` keeps a momentum buffer and replaces each 2-D update by its Newton-Schulz
+``scale_by_muon`` keeps a momentum buffer and replaces each matrix update by its Newton-Schulz
 orthogonalization (5 quintic steps on ``X / ||X||_F``, coefficients ``ragged.muon.NS_COEFFS``, transposed
-when rows > cols), scaled by ``sqrt(max(1, rows / cols))``. ``muon`` chains it with weight decay and the
-learning rate for 2-D leaves and uses AdamW for the others.
+when rows > cols), scaled by ``sqrt(max(1, rows / cols))``; a 3-D stack ``[E, m, n]`` (fused experts) is
+``E`` matrices, each orthogonalized on its own. ``muon`` chains it with weight decay and the learning
+rate for the matrices of ``ragged.muon.muon_matrices`` (2-D weights and stacks; not biases, whatever their
+shape) and uses AdamW for the others.
 
 Distributed (``plan=muon_plan(layouts, axis)``): the leaves are FSDP unit shards ``(S,)`` inside
 ``shard_map``. Momentum runs on the local shard; each matrix is gathered to its load-balanced NS device
 (``ragged.muon.assign_ns_devices``) with ``gather_tensor(..., device=r)``, orthogonalized under ``lax.cond``
-on that device only, and written back to every device's piece with ``scatter_tensor(..., device=r)``. With
+on that device only, and written back to every device's piece with ``scatter_tensor(..., device=r)``; a
+stack's matrices are gathered one by one (``ragged.muon.matrix_layout`` names them ``name[e]``). With
 ``muon_plan(..., max_imbalance=)`` the matrices that stop the balance are split over groups of devices
 (``ragged.muon.assign_groups``): each member gets a row block (``gather_rows``) and ``split_newton_schulz``
 runs the core's split scheme. The plan's windows (``in_flight`` NS-device buckets) issue their gathers before
-their Newton-Schulz and scatters after, so XLA can overlap them. Elements of tensors that are not 2-D get
-AdamW through a static per-device mask.
+their Newton-Schulz and scatters after, so XLA can overlap them. Elements of tensors that are not
+matrices get AdamW through a static per-device mask.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from jax import lax
 
 import ragged
 import ragged.muon
+from jax_backend._names import fqn
 from jax_backend._redistribute import gather_rows, gather_tensor, scatter_rows, scatter_tensor
 from jax_backend.optim._adam8bit import piece_of
 from jax_backend.optim._newton_schulz import newton_schulz, split_newton_schulz
@@ -38,7 +42,8 @@ from ragged import Layout, RaggedShard
 
 @dataclass(frozen=True)
 class MuonMatrix:
-    """One 2-D tensor of a unit and the devices that orthogonalize it: its NS device, or a split group."""
+    """One matrix of a unit (a 2-D tensor, or ``name[e]`` of a stack) and the devices that orthogonalize it:
+    its NS device, or a split group."""
 
     name: str
     shape: tuple[int, int]
@@ -61,6 +66,9 @@ class MuonMatrix:
 @dataclass(frozen=True)
 class MuonPlan:
     """The distributed Muon plan of a model's units: matrices with NS devices, and which elements they cover.
+
+    ``layouts`` are the units' matrix layouts (``ragged.muon.matrix_layout``: the same buffers, a stack's
+    matrices as tensors of their own, no other tensor).
 
     ``pieces[unit]`` is ``(offset, length)``: per device, where its pieces of 2-D tensors lie in its shard
     (``(world_size, pieces)`` int32 each, ascending, missing pieces at ``S`` with length 0); ``mask`` turns
@@ -98,7 +106,7 @@ class MuonPlan:
         return ragged.muon.group_load([m.shape for m in found], [m.group for m in found], world)
 
     def mask(self, unit: str) -> jax.Array:
-        """True where this device's shard element of ``unit`` belongs to a 2-D tensor (inside shard_map)."""
+        """True where this device's shard element of ``unit`` belongs to a matrix (inside shard_map)."""
         offset, length = (jnp.asarray(a)[lax.axis_index(self.axis)] for a in self.pieces[unit])
         size = next(lay.shard_size for lay in self.layouts if lay.name == unit)
         return piece_of(offset, length, size)[2]
@@ -106,7 +114,8 @@ class MuonPlan:
 
 def muon_plan(layouts: Sequence[Layout], axis: str, *, in_flight: int | None = 2,
               max_imbalance: float | None = None) -> MuonPlan:
-    """Who orthogonalizes every 2-D tensor of ``layouts``, its pieces, and the schedule.
+    """Who orthogonalizes every matrix of ``layouts`` (``ragged.muon.muon_matrices``), its pieces, and the
+    schedule.
 
     Args:
         layouts: the units; axis: the mesh axis they are sharded over.
@@ -125,9 +134,9 @@ def muon_plan(layouts: Sequence[Layout], axis: str, *, in_flight: int | None = 2
     """
     if in_flight is not None and in_flight < 1:
         raise ValueError(f"muon_plan: in_flight={in_flight} must be >= 1 (or None for sequential)")
-    layouts = tuple(layouts)
+    layouts = tuple(ragged.muon.matrix_layout(lay) for lay in layouts)
     world = layouts[0].world_size if layouts else 1
-    found = [(lay.name, t) for lay in layouts for t in lay.tensors if len(t.shape) == 2]
+    found = [(lay.name, t) for lay in layouts for t in lay.tensors]
     groups = ragged.muon.assign_groups([t.shape for _, t in found], world, max_imbalance=max_imbalance)
     for (unit, t), group in zip(found, groups):
         if t.shape[0] % len(group) or t.shape[1] % len(group):
@@ -205,8 +214,9 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, *, plan: MuonPl
 
     Args:
         momentum: the momentum coefficient; nesterov: use ``lerp(g, buf, momentum)`` as the update.
-        plan: ``None`` when every leaf is a whole 2-D matrix; for FSDP unit shards inside ``shard_map``,
-            ``muon_plan(layouts, axis)`` (elements of tensors that are not 2-D then get a zero update).
+        plan: ``None`` when every leaf is a whole matrix or 3-D stack of matrices; for FSDP unit shards
+            inside ``shard_map``, ``muon_plan(layouts, axis)`` (elements of tensors that are not matrices
+            then get a zero update).
         ns_dtype: the dtype Newton-Schulz computes in (``jnp.bfloat16`` for the fast path; the momentum,
             the gathers and scatters stay fp32).
 
@@ -214,7 +224,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, *, plan: MuonPl
         An ``optax.GradientTransformation`` whose state is a ``ScaleByMuonState``.
 
     Raises:
-        ValueError: without a plan, a leaf that is not 2-D (naming its path).
+        ValueError: without a plan, a leaf that is neither 2-D nor 3-D (naming its path).
     """
 
     def init_fn(params: Any) -> ScaleByMuonState:
@@ -227,8 +237,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, *, plan: MuonPl
         direction = jax.tree.map(lambda g, b: g + momentum * (b - g), grads, buf) if nesterov else buf
         if plan is None:
             _check_matrices(updates)
-            ortho = jax.tree.map(lambda u: newton_schulz(u, dtype=ns_dtype) * ragged.muon.muon_scale(u.shape),
-                                 direction)
+            ortho = jax.tree.map(lambda u: _orthogonalize_whole(u, ns_dtype), direction)
         else:
             ortho = _orthogonalize_shards(direction, plan, ns_dtype)
         return jax.tree.map(lambda o, g: o.astype(g.dtype), ortho, updates), ScaleByMuonState(buf)
@@ -236,12 +245,20 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, *, plan: MuonPl
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _orthogonalize_whole(u: jax.Array, ns_dtype: jnp.dtype) -> jax.Array:
+    """Newton-Schulz of a whole matrix, or of each matrix of a stack ``[E, m, n]``, with the shape scale."""
+    ns = jax.vmap(lambda m: newton_schulz(m, dtype=ns_dtype)) if u.ndim == 3 else (
+        lambda m: newton_schulz(m, dtype=ns_dtype))
+    return ns(u) * ragged.muon.muon_scale(u.shape[-2:])
+
+
 def _check_matrices(tree: Any) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if leaf.ndim != 2:
+        if leaf.ndim not in (2, 3):
             raise ValueError(
                 f"scale_by_muon: leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}; Muon "
-                "orthogonalizes 2-D matrices only (use `muon`, which gives other leaves AdamW)"
+                "orthogonalizes 2-D matrices and 3-D stacks of them only (use `muon`, which gives other "
+                "leaves AdamW)"
             )
 
 
@@ -264,11 +281,13 @@ def muon(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.95, nesterov
          weight_decay: float = 0.0, adamw_learning_rate: optax.ScalarOrSchedule = 3e-4,
          adamw_b1: float = 0.9, adamw_b2: float = 0.95, adamw_eps: float = 1e-8, *,
          plan: MuonPlan | None = None, ns_dtype: jnp.dtype = jnp.float32) -> optax.GradientTransformation:
-    """Muon for 2-D parameters, AdamW for the others; decoupled weight decay on both.
+    """Muon for matrices, AdamW for the others; decoupled weight decay on both.
 
-    Without ``plan`` the leaves are whole tensors and are split by ``ndim`` (``optax.partition``). With
-    ``plan`` (FSDP unit shards inside ``shard_map``) both run on every shard and a static per-device mask
-    picks Muon's update for elements of 2-D tensors. ``ns_dtype``: as in ``scale_by_muon``.
+    Matrices are ``ragged.muon.muon_matrices``'s: 2-D weights and 3-D stacks (one matrix per expert), not
+    biases (fused experts' ``[E, n]`` ones are vectors). Without ``plan`` the leaves are whole tensors and
+    are split by that rule on their names (``optax.partition``). With ``plan`` (FSDP unit shards inside
+    ``shard_map``) both run on every shard and a static per-device mask picks Muon's update for elements of
+    matrices. ``ns_dtype``: as in ``scale_by_muon``.
 
     Example:
         >>> opt = muon(0.02, adamw_learning_rate=3e-4, plan=muon_plan(fsdp.layouts, fsdp.axis))
@@ -283,6 +302,6 @@ def muon(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.95, nesterov
     adamw = optax.adamw(adamw_learning_rate, adamw_b1, adamw_b2, adamw_eps, weight_decay=weight_decay)
     if plan is None:
         partition = getattr(optax, "partition", None) or optax.multi_transform  # renamed in optax 0.2.4
-        return partition({"muon": matrices, "adamw": adamw},
-                         lambda params: jax.tree.map(lambda p: "muon" if p.ndim == 2 else "adamw", params))
+        return partition({"muon": matrices, "adamw": adamw}, lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, p: "muon" if ragged.muon.muon_matrices(fqn(path), p.shape) else "adamw", params))
     return _select(plan.mask, matrices, adamw)

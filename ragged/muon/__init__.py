@@ -8,9 +8,13 @@ Both runtimes execute these plans; nothing here touches a tensor of a framework.
   ``bucket_holdings``: one bucket's matrices as one redistribution;
 - ``assign_groups``: NS devices per matrix, splitting matrices over groups to reach a ``max / mean``
   target; ``group_load`` and ``split_newton_schulz_*``: its costs and a numpy reference;
-- ``newton_schulz_flops`` / ``newton_schulz_load``, ``NS_COEFFS`` / ``NS_STEPS``, ``muon_scale``.
+- ``newton_schulz_flops`` / ``newton_schulz_load``, ``NS_COEFFS`` / ``NS_STEPS``, ``muon_scale``;
+- ``muon_matrices``: which parameters are matrices (3-D stacks of fused experts: one per expert);
+  ``matrix_holdings``: what each device holds of one matrix of a stack; ``matrix_layout``: a unit's
+  matrices as the tensors of a Layout.
 """
 
+from ragged.muon._matrices import matrix_holdings, matrix_layout, muon_matrices
 from ragged.muon._ns_devices import (
     NS_COEFFS,
     NS_STEPS,
@@ -33,6 +37,9 @@ __all__ = [
     "NS_COEFFS",
     "NS_STEPS",
     "muon_scale",
+    "muon_matrices",
+    "matrix_holdings",
+    "matrix_layout",
     "newton_schulz_flops",
     "newton_schulz_load",
     "assign_ns_devices",

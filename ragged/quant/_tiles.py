@@ -4,6 +4,9 @@
 of its 2-D view ``(prod(shape[:-1]), shape[-1])``, numbered row-major over the block grid:
 
 - a matrix the tile ``R x C`` divides (default 32 x 32) is *tiled*: its blocks are the ``R x C`` tiles;
+  a stack of matrices ``[..., m, n]`` (fused experts ``[E, m, n]``) is tiled when the tile divides each
+  matrix ``(m, n)``, so no tile spans two experts and an expert-parallel split (whole experts per EP rank)
+  never cuts one: an EP rank's slice has the same tiles as the whole stack;
 - another matrix has one block per row (``1 x cols``);
 - a 1-D tensor has one element per block (its state stays at full precision; norms and biases are small).
 
@@ -36,13 +39,14 @@ class TileError(GranularityError):
 
 
 def tile_grid(shape: Shape, tile: tuple[int, int] = TILE) -> tuple[int, int] | None:
-    """The tile grid ``(rows // R, cols // C)`` of a tiled matrix; ``None`` if the tensor is not tiled."""
+    """The tile grid ``(rows // R, cols // C)`` of a tiled matrix or stack of matrices (the tile divides
+    each matrix ``shape[-2:]``); ``None`` if the tensor is not tiled."""
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2 or math.prod(shape) == 0:
         return None
     cols = shape[-1]
     rows = math.prod(shape) // cols
-    if rows % tile[0] or cols % tile[1]:
+    if shape[-2] % tile[0] or cols % tile[1]:
         return None
     return rows // tile[0], cols // tile[1]
 

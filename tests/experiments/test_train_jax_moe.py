@@ -2,7 +2,7 @@
 
 The same 8 host devices and data at ep 1 (FSDP over all 8) and at ep 2 with 2 HSDP replicas (each EP
 rank's experts over 2 devices) train the same model: the losses differ only by summation order (bound:
-``LOSS_RTOL``, as for the other distributed runs).
+``LOSS_RTOL``, as for the other distributed runs); so do ep 1 and ep 2 with 8-bit Adam and Muon.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.experiments._train_launch import BATCH, LOSS_RTOL, ROOT, SEQ, env, losses
 
@@ -31,6 +32,15 @@ def test_expert_parallel_trains_the_moe_as_fsdp_does(tmp_path):
     fsdp = train(tmp_path, "ep1", [])
     ep = train(tmp_path, "ep2", ["--ep", "2", "--hsdp", "2"])
     assert sorted(ep) == list(range(STEPS))
+    np.testing.assert_allclose([ep[s] for s in range(STEPS)], [fsdp[s] for s in range(STEPS)], rtol=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("optimizer", ["adam8bit", "muon"])
+def test_expert_parallel_trains_with_the_structure_aware_optimizers_as_fsdp_does(tmp_path, optimizer):
+    """8-bit Adam (tile granularity, auto) and Muon on the composed EP layouts: ep 2 on 8 devices gives
+    ep 1's losses (tests/jax_backend/test_expert_parallel_optim.py compares the parameters too)."""
+    fsdp = train(tmp_path, f"ep1-{optimizer}", ["--optimizer", optimizer])
+    ep = train(tmp_path, f"ep2-{optimizer}", ["--ep", "2", "--optimizer", optimizer])
     np.testing.assert_allclose([ep[s] for s in range(STEPS)], [fsdp[s] for s in range(STEPS)], rtol=LOSS_RTOL)
 
 

@@ -51,7 +51,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jax_backend import MixedPrecisionPolicy, make_mesh
+from jax_backend import MixedPrecisionPolicy, make_mesh, on_shards
 from jax_backend.models import model_params
 from jax_backend.models.expert_parallel import parallelize_moe
 from jax_backend.models.llama import FeedForward
@@ -97,11 +97,12 @@ def device_losses(graphdef: nnx.GraphDef, params: nnx.State, inputs: jax.Array, 
     return jnp.stack([moe_loss(nnx.merge(graphdef, cast(params))(x), y, coef) for x, y in zip(xs, ys)])
 
 
-def train_reference(model: MoEDecoder, data: np.ndarray, dtype=None) -> tuple[list[float], list[dict]]:
-    """Single-device AdamW (forward and backward in ``dtype`` per device batch, as ``device_losses``): the
-    loss per step and the parameters before each step and after the last."""
+def train_reference(model: MoEDecoder, data: np.ndarray, dtype=None,
+                    opt: optax.GradientTransformation | None = None) -> tuple[list[float], list[dict]]:
+    """Single-device ``opt`` (AdamW), forward and backward in ``dtype`` per device batch (as
+    ``device_losses``): the loss per step and the parameters before each step and after the last."""
     graphdef, params = nnx.split(model, nnx.Param)
-    opt = optax.adamw(LR, weight_decay=0.1)
+    opt = opt or optax.adamw(LR, weight_decay=0.1)
     coef = model.config.aux_loss_coef
 
     @jax.jit
@@ -122,14 +123,18 @@ def train_reference(model: MoEDecoder, data: np.ndarray, dtype=None) -> tuple[li
 
 def train_ep(model: MoEDecoder, data: np.ndarray, ep: int, fsdp: int, replica: int,
              capacity_factor: float | None = None, steps: int = STEPS,
-             mp_policy: MixedPrecisionPolicy | None = None) -> tuple[list[float], dict, list]:
-    """``parallelize_moe`` training: losses, final full params and each step's per-device drop counts."""
+             mp_policy: MixedPrecisionPolicy | None = None, on_shards_opt=None,
+             granularity="rows:1") -> tuple[list[float], dict, list]:
+    """``parallelize_moe`` training (with ``granularity``): losses, final full params and each step's
+    per-device drop counts. AdamW, or ``on_shards(on_shards_opt(fsdp))`` for a layout-aware optimizer."""
     hsdp = replica > 1
     mesh = make_mesh((replica, ep, fsdp), ("replica", "ep", "fsdp")) if hsdp else \
         make_mesh((ep, fsdp), ("ep", "fsdp"))
     runtime = parallelize_moe(model, mesh, replica_axis="replica" if hsdp else None,
-                              capacity_factor=capacity_factor, mp_policy=mp_policy)
-    opt = optax.adamw(LR, weight_decay=0.1)
+                              capacity_factor=capacity_factor, mp_policy=mp_policy,
+                              granularity=granularity)
+    opt = optax.adamw(LR, weight_decay=0.1) if on_shards_opt is None else \
+        on_shards(on_shards_opt(runtime.fsdp))
     buffers = runtime.shard_params(model_params(model))
     state, model_state = runtime.fsdp.init(opt, buffers), runtime.init_model_state()
     step = runtime.fsdp.train_step(opt, lambda out, y: moe_loss(out, y, model.config.aux_loss_coef))

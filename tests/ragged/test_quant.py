@@ -33,6 +33,7 @@ def _tile_of_every_element(shape, tile):
 @pytest.mark.parametrize("shape,tile,grid", [
     ((64, 96), (32, 32), (2, 3)), ((2, 32, 64), (32, 32), (2, 2)), ((8, 12), (4, 3), (2, 4)),
     ((48, 32), (32, 32), None), ((64,), (32, 32), None), ((0, 32), (32, 32), None),
+    ((2, 48, 64), (32, 32), None),  # a stack: 96 rows, but a 32-row tile would span two 48-row matrices
 ])
 def test_tile_grid(shape, tile, grid):
     assert tile_grid(shape, tile) == grid

@@ -73,15 +73,21 @@ def batch(step: int, vocab: int, world: int) -> torch.Tensor:
     return torch.from_numpy(rows)
 
 
-def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype) -> tuple[list[float], dict]:
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype,
+              optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = adamw
+              ) -> tuple[list[float], dict]:
     """Single-process training: each step, every rank's rows forward and backward apart on a ``dtype``
-    copy of the fp32 master; gradients summed in fp32 and averaged; AdamW on the master. ``world``: the
-    ranks, or the ranks of each step (a run resumed at another world size)."""
+    copy of the fp32 master; gradients summed in fp32 and averaged; ``optimizer`` (AdamW) on the master.
+    ``world``: the ranks, or the ranks of each step (a run resumed at another world size)."""
     from torch_backend.models import moe_loss
 
     c = config(name)
     master = build(name)
-    opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = optimizer(master)
     losses = []
     worlds = (world,) * STEPS if isinstance(world, int) else world
     for step, world in enumerate(worlds):
@@ -106,8 +112,10 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) -> tuple:
-    """``parallelize`` (after ``expert_parallel`` on ``ep_mesh``) and train on this rank's rows.
+def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None, optimizer=adamw,
+            granularity=None) -> tuple:
+    """``parallelize`` (after ``expert_parallel`` on ``ep_mesh``, both with ``granularity``) and train on
+    this rank's rows with ``optimizer`` (AdamW).
 
     Returns the mean losses, the full parameters and the experts each MoE layer's router chose here per
     step (with ``ep_mesh``: and the rows this rank's experts received, per step and layer)."""
@@ -119,8 +127,8 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) ->
     model = build(name)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     if ep_mesh is not None:
-        expert_parallel(model, ep_mesh, mp_policy=mp)
-    parallelize(model, mesh, mp_policy=mp)
+        expert_parallel(model, ep_mesh, mp_policy=mp, granularity=granularity)
+    parallelize(model, mesh, mp_policy=mp, granularity=granularity)
     routes: list[list[list[int]]] = []
     received: list[list[int]] = []  # expert parallelism: rows this rank's experts received, per layer
     for layer in model.layers[c.n_dense_layers:]:
@@ -129,7 +137,7 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) ->
         if ep_mesh is not None:  # runs after the dispatch hook: sees what arrived
             layer.feed_forward.experts.register_forward_pre_hook(
                 lambda _m, args: received[-1].append(len(args[0])))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = optimizer(model)
     losses = train(model, opt, name, rank, world, range(STEPS),
                    before_step=lambda: (routes.append([]), received.append([])))
     return losses, full_params(model), routes if ep_mesh is None else (routes, received)
@@ -137,7 +145,7 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None) ->
 
 def train(model, opt, name: str, rank: int, world: int, steps: range,
           before_step: Callable[[], object] = lambda: None) -> list[float]:
-    """AdamW steps ``steps`` of the sharded ``model`` on this rank's rows; the mean loss of each step."""
+    """Optimizer steps ``steps`` of the sharded ``model`` on this rank's rows; the mean loss of each step."""
     from torch_backend.models import moe_loss
 
     c = config(name)
@@ -186,11 +194,13 @@ def global_expert_names(params: dict, name: str, ep_mesh) -> dict:
     return out
 
 
-def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: bool = False) -> dict:
+def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: bool = False, *,
+            optimizer=adamw, granularity=None) -> dict:
     """Expert parallelism on an (ep, fsdp) mesh, every other parameter over all ranks; with ``replicas``
     (HSDP) on a (replicas, ep, fsdp) mesh, the rest on (replicas, ep * fsdp). fp32, or bf16 under the
     mixed-precision policy: then also compared with the policy reference, and that reference with fp32
-    training (``policy_vs_fp32``: the policy's own distance, which FSDP2 and plain FSDP reproduce)."""
+    training (``policy_vs_fp32``: the policy's own distance, which FSDP2 and plain FSDP reproduce).
+    Trained and referenced with ``optimizer`` (AdamW), sharded with ``granularity``."""
     fsdp = world // (replicas * ep)
     if replicas == 1:
         ep_mesh = init_device_mesh("cpu", (ep, fsdp), mesh_dim_names=("ep", "fsdp"))
@@ -198,10 +208,11 @@ def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: 
     else:
         ep_mesh = init_device_mesh("cpu", (replicas, ep, fsdp), mesh_dim_names=("replicate", "ep", "fsdp"))
         mesh = init_device_mesh("cpu", (replicas, ep * fsdp))
-    losses, params, (routes, received) = sharded(name, mesh, rank, world, bf16, ep_mesh)
+    losses, params, (routes, received) = sharded(name, mesh, rank, world, bf16, ep_mesh, optimizer,
+                                                 granularity)
     out = {"rank": rank, "routes": routes, "received": received, "top_k": config(name).top_k,
            "n_experts": config(name).n_experts}
-    refs = {label: reference(name, world, dtype)
+    refs = {label: reference(name, world, dtype, optimizer)
             for label, dtype in [("fp32", torch.float32)] + ([("policy", torch.bfloat16)] if bf16 else [])}
     for label, (want_losses, want) in refs.items():
         got, ref = held_and_reference(params, name, ep_mesh, want)

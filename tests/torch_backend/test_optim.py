@@ -221,23 +221,45 @@ def test_placements_that_cut_tiles_or_hold_no_value_are_rejected_naming_the_para
                    for m in placements), placements
 
 
-def test_muon_refuses_matrices_spread_over_ns_groups_of_different_sizes():
-    # A TP-replicated matrix spreads over dp only (2 devices), a TP-split one over dp x tp (4): NS devices are
-    # balanced over one group size.
+def test_muon_balances_each_ns_group_on_its_own():
+    """A TP-split matrix and a stack split by TP along its columns spread over dp x tp (an NS group of 4), a
+    TP-replicated matrix over dp only (2), as the experts' and the other matrices under expert parallelism:
+    each NS group balances its own matrices (the core's assignment over that group's shapes alone), a
+    stack's matrices are gathered from the TP parts' runs, and training equals single-process Muon."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    def fn(rank: int, world: int) -> str:
-        mesh = init_device_mesh("cpu", (2, 2))
-        rows = RaggedShard((0,), (1, 1))
-        split = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 32), mesh, [rows, Shard(0)]))
-        replicated = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 32), mesh, [rows, Replicate()]))
-        with pytest.raises(ragged.PlacementError) as err:
-            Muon([("split", split), ("replicated", replicated)])
-        return str(err.value)
+    # name, shape, the dim TP's Shard cuts (None: Replicate)
+    specs = (("split", (64, 32), 0), ("replicated", (48, 32), None), ("experts.w", (3, 16, 32), 2),
+             ("experts.w_bias", (3, 32), None))
+    params, grads = _fulls([(n, s, None) for n, s, _ in specs], seed=7, steps=3)
+    want = _train(_muon, params, grads)
+    flops = ragged.muon.newton_schulz_flops
 
-    for message in run_threads(4, fn):
-        assert message.startswith("Muon: 2-D parameters are spread over NS groups of [2, 4] devices"), message
+    def fn(rank: int, world: int) -> dict:
+        mesh = init_device_mesh("cpu", (2, 2))
+        parts = {n: tuple(x // 2 if k == d else x for k, x in enumerate(s)) for n, s, d in specs}
+        layout = ragged.plan([ragged.TensorSpec(n, parts[n], "rows:1") for n, _, _ in specs], 2)
+
+        def place(name: str, t: torch.Tensor):
+            d = next(d for n, _, d in specs if n == name)
+            tp = Shard(d) if d is not None else Replicate()
+            return distribute_tensor(t, mesh, [RaggedShard.from_core(layout.placement(name)), tp])
+
+        def make(named):
+            opt, live = _muon(named), dict(named)
+            four = [opt.ns_device(live["split"])] + [opt.ns_device(live["experts.w"], e) for e in range(3)]
+            assert four == list(ragged.muon.assign_ns_devices([flops((64, 32))] + [flops((16, 32))] * 3, 4))
+            assert opt.ns_device(live["replicated"]) == 0  # alone in its group of 2
+            with pytest.raises(ValueError, match="lie in 2 NS groups"):
+                opt.newton_schulz_load()
+            return opt
+
+        return _train(make, params, grads, place)
+
+    for rank, got in enumerate(run_threads(4, fn)):
+        for n in params:  # Bound: summation order only, as above
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {n}")
 
 
 @pytest.mark.parametrize("shape,band", [((96, 64), 32 * 64), ((6, 40), 40), ((7,), 1)])

@@ -1,17 +1,25 @@
 """Distributed Muon (veScale-FSDP Algorithm 2) on RaggedShard DTensors, AdamW for the other parameters.
 
-For each 2-D parameter: the momentum update runs on the local piece; the (Nesterov) momentum goes to
-``RaggedShard.whole_on(ns_device)`` (a gather), Newton-Schulz orthogonalizes it on that one device, the
-matrix's NS device (the other devices hold nothing and skip it), and the result goes back to the
-parameter's placement (a scatter) and is applied. NS devices are chosen once by the core's load
-balancing (``ragged.muon.assign_ns_devices`` over ``ragged.muon.newton_schulz_flops``), the same way on
-every device. With tensor parallelism a matrix is spread over the ragged mesh dim *and* its ``Shard``
-(TP) mesh dims: its NS device is one device of all of them together (its NS group, ``_muon_group``),
-so the gather brings every TP part too and the NS devices are balanced over ``dp * tp`` devices. With
-``max_imbalance`` (max / mean FLOPs per device; opt-in) the matrices that stop it
-are *split* (``ragged.muon.assign_groups``): a group of ``g`` devices each gets ``rows / g`` rows
-(``_muon_split``) and runs ``1/g`` of its Newton-Schulz, talking over a torch sub-group of the members.
+For each matrix (a 2-D weight, or one of a stack's, below): the momentum update runs on the local piece;
+the (Nesterov) momentum goes to ``RaggedShard.whole_on(ns_device)`` (a gather), Newton-Schulz
+orthogonalizes it on that one device, the matrix's NS device (the other devices hold nothing and skip
+it), and the result goes back to the parameter's placement (a scatter) and is applied. NS devices are
+chosen once by the core's load balancing (``ragged.muon.assign_ns_devices`` over
+``ragged.muon.newton_schulz_flops``), the same way on every device. With tensor parallelism a matrix is
+spread over the ragged mesh dim *and* its ``Shard`` (TP) mesh dims: its NS device is one device of all of
+them together (its NS group, ``_muon_group``), so the gather brings every TP part too and the NS devices
+are balanced over ``dp * tp`` devices. With ``max_imbalance`` (max / mean FLOPs per device; opt-in) the
+matrices that stop it are *split* (``ragged.muon.assign_groups``): a group of ``g`` devices each gets
+``rows / g`` rows (``_muon_split``) and runs ``1/g`` of its Newton-Schulz, talking over a torch sub-group
+of the members.
 Plain tensors (single process) and replicated DTensors run Newton-Schulz locally.
+
+Matrices are ``ragged.muon.muon_matrices``'s: 2-D weights, and each matrix ``p[e]`` of a 3-D stack (fused
+experts ``[E, m, n]``: one matrix per expert, gathered whole from the pieces of the stack its NS group
+holds, ``ragged.muon.matrix_holdings``); biases and vectors get AdamW. Each NS group balances its own
+matrices: NS devices (and split groups) are assigned over the members of each NS group on its own, so
+matrices spread over NS groups of different sizes train together. Under expert parallelism the experts'
+matrices are balanced over their EP rank's ``fsdp`` devices and the other matrices over all devices.
 
 Two schedules give the same bits. Sequential (``overlap=False``): each matrix is gathered,
 orthogonalized and scattered in turn (a bucket of one matrix: two ``all_to_all``). Overlapped (default): the
@@ -24,7 +32,7 @@ CPU on the backend's thread). Split matrices run after them in both schedules, i
 path: one gather of all of them, the groups' Newton-Schulz, one scatter.
 
 The update is scaled by ``sqrt(max(1, rows / cols))`` (Keller Jordan's shape rule, so that tall matrices
-get the same per-row step). Weight decay is decoupled. Parameters that are not 2-D use AdamW with
+get the same per-row step). Weight decay is decoupled. Parameters that are not matrices use AdamW with
 fp32 state (``adamw_lr``, ``adamw_betas``, ``adamw_eps``).
 """
 
@@ -33,7 +41,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -71,16 +79,53 @@ def newton_schulz(g: torch.Tensor, steps: int = ragged.muon.NS_STEPS, eps: float
     return (x.T if tall else x).float()
 
 
+class _Matrix(NamedTuple):
+    """One matrix Muon orthogonalizes: a 2-D parameter, or matrix ``index`` of a 3-D stack, and where it
+    lies (planned once)."""
+
+    p: torch.Tensor
+    index: int | None  # None: the 2-D parameter itself
+    name: str  # the parameter's name, ``name[index]`` for a stack's matrix
+    shape: tuple[int, int]
+    ns: NSGroup | None  # its NS group; None: whole on this device (plain or replicated)
+    held: ragged.Holdings  # what each member of ``ns`` holds of it: intervals of its flat storage
+    lo: int  # its elements are ``[lo, hi)`` of this device's local (flat) elements of ``p``
+    hi: int
+
+    @property
+    def key(self) -> tuple[int, int | None]:
+        return id(self.p), self.index
+
+
+Step = tuple[_Matrix, dict, torch.Tensor]  # a matrix, its param group, its slice of the (Nesterov) momentum
+
+
+def _matrices(p: torch.Tensor, name: str, ns: NSGroup | None) -> list[_Matrix]:
+    """The matrices of parameter ``p`` (``ragged.muon.muon_matrices``: the 2-D ``p``, or each matrix of the
+    3-D stack ``p``), each with what the members of ``ns`` hold of it."""
+    shape = tuple(p.shape)
+    stack = holdings(p, ns, name) if ns is not None else (((0, p.numel()),),)  # of p's flat storage
+    rank = 0 if ns is None else ns.rank
+    if len(shape) == 2:
+        return [_Matrix(p, None, name, shape, ns, stack, 0, sum(b - a for a, b in stack[rank]))]
+    out = []
+    for e in range(ragged.muon.muon_matrices(name, shape)):
+        held, local = ragged.muon.matrix_holdings(stack, shape, e, name)
+        out.append(_Matrix(p, e, f"{name}[{e}]", shape[1:], ns, held, *local[rank]))
+    return out
+
+
 class _Bucket:
     """Matrices of one NS group moved together: the core's plan from their local slices (concatenated) to
     their ``targets`` (an NS-device bucket: ``whole_on(ns_device)`` each; the split bucket: a group's row
     blocks each), and the plan back."""
 
-    def __init__(self, ns: NSGroup, local: list[ragged.Holdings], targets: list[ragged.RaggedShard],
-                 shapes: list[tuple[int, ...]]) -> None:
+    def __init__(self, matrices: list[_Matrix], targets: list[ragged.RaggedShard]) -> None:
+        ns = matrices[0].ns
         self.group, self.rank, self.world = ns.group, ns.rank, ns.world
-        numels = [math.prod(s) for s in shapes]
-        held = [ragged.ragged_holdings(t, s) for t, s in zip(targets, shapes)]
+        local = [m.held for m in matrices]
+        numels = [math.prod(m.shape) for m in matrices]
+        held = [ragged.ragged_holdings(t, m.shape) for t, m in zip(targets, matrices)]
         local_all = ragged.muon.bucket_holdings(local, numels)
         held_all = ragged.muon.bucket_holdings(held, numels)
         self.gather_plan = ragged.transfers(local_all, held_all)
@@ -105,13 +150,18 @@ class _Bucket:
 
 
 class Muon(ParamwiseOptimizer):
-    """Muon for 2-D parameters (distributed as in veScale-FSDP Algorithm 2), AdamW for the rest.
+    """Muon for matrices (distributed as in veScale-FSDP Algorithm 2), AdamW for the rest.
+
+    Matrices are ``ragged.muon.muon_matrices``'s: 2-D weights and each matrix ``p[e]`` of a 3-D stack (fused
+    experts); biases (also fused experts' ``[E, n]`` ones) and vectors get AdamW. Each NS group (the devices
+    a matrix's pieces are spread over) balances its own matrices, so under expert parallelism the experts'
+    matrices are balanced over their ``fsdp`` devices and the other matrices over all devices.
 
     Args:
         params: parameters or ``named_parameters()`` (names appear in errors).
         lr: Muon's learning rate; momentum: its momentum; nesterov: use the Nesterov update.
         weight_decay: decoupled weight decay for every parameter.
-        adamw_lr, adamw_betas, adamw_eps: AdamW for parameters that are not 2-D.
+        adamw_lr, adamw_betas, adamw_eps: AdamW for the parameters that are not matrices.
         overlap: bucket the matrices by NS device and overlap their gathers and scatters with Newton-Schulz
             (``False``: one matrix after another; both give the same bits).
         in_flight: buckets whose gathers (and, separately, scatters) may be in flight while a device
@@ -125,8 +175,8 @@ class Muon(ParamwiseOptimizer):
             opt-in, as in JAX's ``muon_plan``.
 
     Raises:
-        ragged.PlacementError: a DTensor placement other than RaggedShard / Shard / Replicate, an uneven
-            Shard, or matrices spread over NS groups of different sizes.
+        ragged.PlacementError: a DTensor placement other than RaggedShard / Shard / Replicate, or an uneven
+            Shard.
         ValueError: ``in_flight < 1`` or ``max_imbalance < 1``.
 
     Example:
@@ -143,53 +193,50 @@ class Muon(ParamwiseOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps))
         self.overlap, self.in_flight, self.ns_dtype = overlap, in_flight, ns_dtype
-        matrices, names = [], []
+        named = []
         for p, name, _ in named_params(self):
             local_slice(p, name)  # placement check, before any collective
-            if p.ndim == 2:
-                matrices.append(p)
-                names.append(name)
+            if ragged.muon.muon_matrices(name, tuple(p.shape)):
+                named.append((p, name))
         # the meshes and sharded mesh dims (RaggedShard, Shard) of the matrices, in parameter order
-        keys = list(dict.fromkeys((p.device_mesh, group_dims(p)) for p in matrices if group_dims(p)))
-        worlds = sorted({math.prod(mesh.size(d) for d in dims) for mesh, dims in keys})
-        if len(worlds) > 1:
-            raise ragged.PlacementError(
-                f"Muon: 2-D parameters are spread over NS groups of {worlds} devices (their RaggedShard and "
-                "Shard mesh dims); NS devices are balanced over one group size, so shard every matrix over "
-                "the same mesh dims (or use one optimizer per mesh)"
-            )
-        world = worlds[0] if worlds else 1
+        keys = list(dict.fromkeys((p.device_mesh, group_dims(p)) for p, _ in named if group_dims(p)))
         ns_groups = {key: new_ns_group(*key) for key in keys}  # process groups: every rank, same order
-        # id(matrix) -> (its NS group, what each member holds); plain and replicated matrices are absent
-        self._where: dict[int, tuple[NSGroup, ragged.Holdings]] = {}
-        for p, name in zip(matrices, names):
-            if group_dims(p):
-                ns = ns_groups[(p.device_mesh, group_dims(p))]
-                self._where[id(p)] = (ns, holdings(p, ns, name))
-        shapes = [tuple(p.shape) for p in matrices]
-        # assign_groups checks max_imbalance >= 1, group_load that every g divides its matrix
-        groups = ragged.muon.assign_groups(shapes, world, max_imbalance=max_imbalance)
-        self._load = ragged.muon.group_load(shapes, groups, world)
-        self._groups = {id(p): devices for p, devices in zip(matrices, groups)}
-        self._subgroups = self._new_subgroups(matrices, names, world)
+        # each NS group's matrices (None: plain and replicated ones, whole on this device), in parameter order
+        by_group: dict[NSGroup | None, list[_Matrix]] = {}
+        self._planned: dict[int, list[_Matrix]] = {}  # id(parameter) -> its matrices
+        for p, name in named:
+            ns = ns_groups[(p.device_mesh, group_dims(p))] if group_dims(p) else None
+            self._planned[id(p)] = _matrices(p, name, ns)
+            by_group.setdefault(ns, []).extend(self._planned[id(p)])
+        # NS devices (or split groups) balanced over each NS group's members on its own; assign_groups
+        # checks max_imbalance >= 1, group_load that every g divides its matrix
+        self._groups: dict[tuple, tuple[int, ...]] = {}
+        self._loads: list[np.ndarray] = []
+        for ns, found in by_group.items():
+            world, shapes = 1 if ns is None else ns.world, [m.shape for m in found]
+            groups = ragged.muon.assign_groups(shapes, world, max_imbalance=max_imbalance)
+            self._loads.append(ragged.muon.group_load(shapes, groups, world))
+            self._groups.update({m.key: devices for m, devices in zip(found, groups)})
+        self._subgroups = self._new_subgroups(by_group)
         self._buckets: dict[tuple, Any] = {}  # the plans of one set of matrices, built once
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._matrices: list[tuple[torch.Tensor, dict, torch.Tensor]] = []  # (param, group, update) of a step
+        self._matrices: list[Step] = []  # the matrices of a step
 
-    def ns_devices(self, p: torch.Tensor) -> tuple[int, ...]:
-        """The devices that run 2-D parameter ``p``'s Newton-Schulz: its NS device, or the group it is split
-        over, as member indices of its NS group (the sharding mesh dim, flattened with the tensor-parallel
-        ones: ``dp_index * tp + tp_index`` on a (dp, tp) mesh). (Plain and replicated tensors run it whole
-        on every device.)"""
-        return self._groups[id(p)]
+    def ns_devices(self, p: torch.Tensor, index: int | None = None) -> tuple[int, ...]:
+        """The devices that run the Newton-Schulz of the 2-D parameter ``p``, or of matrix ``index`` of the
+        3-D stack ``p``: its NS device, or the group it is split over, as member indices of its NS group (the
+        sharding mesh dim, flattened with the tensor-parallel ones: ``dp_index * tp + tp_index`` on a (dp,
+        tp) mesh). (Plain and replicated tensors run it whole on every device.)"""
+        return self._groups[(id(p), index)]
 
-    def ns_device(self, p: torch.Tensor) -> int:
-        """The NS device of the 2-D parameter ``p``: the one device that orthogonalizes the whole of it.
+    def ns_device(self, p: torch.Tensor, index: int | None = None) -> int:
+        """The NS device of the 2-D parameter ``p`` (or of matrix ``index`` of the stack ``p``): the one
+        device that orthogonalizes the whole matrix.
 
         Raises:
-            ValueError: ``p``'s Newton-Schulz is split over a group of devices (see ``ns_devices``).
+            ValueError: its Newton-Schulz is split over a group of devices (see ``ns_devices``).
         """
-        devices = self.ns_devices(p)
+        devices = self.ns_devices(p, index)
         if len(devices) > 1:
             raise ValueError(f"Muon: the {tuple(p.shape)} matrix is split over devices {devices}, so it has "
                              "no single NS device")
@@ -198,54 +245,63 @@ class Muon(ParamwiseOptimizer):
     def newton_schulz_load(self) -> np.ndarray:
         """Newton-Schulz matmul FLOPs each member of the NS group runs per step (int64, one entry per
         member): ``ragged.muon.group_load`` of this optimizer's assignment, each member of a group of ``g``
-        running ``1/g`` of its matrix. ``max / mean`` is the step's load imbalance."""
-        return self._load.copy()
+        running ``1/g`` of its matrix. ``max / mean`` is the step's load imbalance.
 
-    def _new_subgroups(self, matrices: list[torch.Tensor], names: list[str],
-                       world: int) -> dict[tuple, dist.ProcessGroup]:
+        Raises:
+            ValueError: the matrices lie in several NS groups (expert parallelism; plain or replicated
+                matrices next to sharded ones), each balanced on its own: there is no one load per member.
+        """
+        if len(self._loads) > 1:
+            raise ValueError(f"Muon: the matrices lie in {len(self._loads)} NS groups, each balanced on its "
+                             "own; there is no one load per member")
+        return next(iter(self._loads), np.zeros(1, np.int64)).copy()
+
+    def _new_subgroups(self, by_group: dict[NSGroup | None, list[_Matrix]]) -> dict[tuple, dist.ProcessGroup]:
         """Check every split matrix, then create the process groups of its devices (``new_subgroups``),
         keyed by ``(NS group, devices)``: once, in parameter order, the same on every device."""
         split: dict[NSGroup, list[tuple[int, ...]]] = {}
-        for p, name in zip(matrices, names):
-            devices = self.ns_devices(p)
-            if len(devices) > 1 and id(p) in self._where:
-                split_placement(devices, world).validate(tuple(p.shape), name, world)
-                split.setdefault(self._where[id(p)][0], []).append(devices)
+        for ns, found in by_group.items():
+            for m in found:
+                devices = self._groups[m.key]
+                if len(devices) > 1 and ns is not None:
+                    split_placement(devices, ns.world).validate(m.shape, m.name, ns.world)
+                    split.setdefault(ns, []).append(devices)
         return {(ns, devices): pg for ns, groups in split.items()
                 for devices, pg in new_subgroups(groups, ns.group).items()}
 
     def _update(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
-        if p.ndim == 2:  # orthogonalized in _finish_step, all matrices together
-            self._matrices.append((p, group, self._momentum(p, name, group)))
+        if id(p) in self._planned:  # orthogonalized in _finish_step, all matrices together
+            update = self._momentum(p, name, group)
+            self._matrices.extend((m, group, update[m.lo:m.hi]) for m in self._planned[id(p)])
         else:
             self._adamw(p, name, group)
 
     def _finish_step(self) -> None:
         matrices, self._matrices = self._matrices, []
         whole, split = [], []
-        for p, group, update in matrices:
-            if id(p) not in self._where:  # plain or replicated: whole on this device
-                self._apply(p, group, newton_schulz(update.view(p.shape), dtype=self.ns_dtype).reshape(-1))
+        for m, group, update in matrices:
+            if m.ns is None:  # plain or replicated: whole on this device
+                self._apply(m, group, newton_schulz(update.view(m.shape), dtype=self.ns_dtype).reshape(-1))
             else:
-                (whole if len(self.ns_devices(p)) == 1 else split).append((p, group, update))
-        for items in self._by_ns_group(whole):
+                (whole if len(self._groups[m.key]) == 1 else split).append((m, group, update))
+        for items in _by_ns_group(whole):
             if self.overlap:
                 self._overlapped(items)
             else:  # one bucket per matrix: the same exchanges and Newton-Schulz, one matrix after another
                 for item in items:
                     self._overlapped([item])
-        for items in self._by_ns_group(split):
+        for items in _by_ns_group(split):
             self._split(items)
 
-    def _overlapped(self, items: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> None:
+    def _overlapped(self, items: list[Step]) -> None:
         """Bucketed gathers, Newton-Schulz and scatters of matrices of one NS group, ``in_flight`` ahead."""
-        key = tuple(id(p) for p, _, _ in items)
+        key = tuple(m.key for m, _, _ in items)
         if key not in self._buckets:
-            order = ragged.muon.ns_device_buckets([self.ns_device(p) for p, _, _ in items])
+            ns_devices = [self._groups[m.key][0] for m, _, _ in items]
             self._buckets[key] = [
-                (self._bucket([items[k][0] for k in b],
-                              lambda p, world: ragged.RaggedShard.whole_on(self.ns_device(p), world)), b)
-                for b in order]
+                (_Bucket([items[k][0] for k in b],
+                         [ragged.RaggedShard.whole_on(ns_devices[k], items[k][0].ns.world) for k in b]), b)
+                for b in ragged.muon.ns_device_buckets(ns_devices)]
         buckets = self._buckets[key]
         stream = self._stream(items[0][2].device)
         gathers: deque = deque()
@@ -267,46 +323,32 @@ class Muon(ParamwiseOptimizer):
             if j + self.in_flight < len(buckets):
                 start_gather(j + self.in_flight)
             if bucket.mine is not None:
-                p = items[members[bucket.mine]][0]
-                whole = newton_schulz(whole.view(p.shape), dtype=self.ns_dtype).reshape(-1)
+                shape = items[members[bucket.mine]][0].shape
+                whole = newton_schulz(whole.view(shape), dtype=self.ns_dtype).reshape(-1)
             scatters.append((members, bucket.scatter(whole, stream)))
             while len(scatters) > self.in_flight:
                 finish_scatter()
         while scatters:
             finish_scatter()
 
-    def _split(self, items: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> None:
+    def _split(self, items: list[Step]) -> None:
         """Split Newton-Schulz of matrices of one NS group: one gather of all of them to their groups' row
         blocks, each member's ``split_newton_schulz`` in parameter order (the same order on every device, so
         no two groups wait on each other in a cycle), one scatter back. Not overlapped."""
-        key = ("split", *(id(p) for p, _, _ in items))
+        key = ("split", *(m.key for m, _, _ in items))
         if key not in self._buckets:
-            self._buckets[key] = self._bucket([p for p, _, _ in items],
-                                              lambda p, world: split_placement(self.ns_devices(p), world))
+            targets = [split_placement(self._groups[m.key], m.ns.world) for m, _, _ in items]
+            self._buckets[key] = _Bucket([m for m, _, _ in items], targets)
         bucket = self._buckets[key]
         held = bucket.gather([update for _, _, update in items], None)().split(bucket.held_numels)
         done = []
-        for (p, _, _), rows in zip(items, held):
-            if rows.numel():  # a member of p's group
-                pg = self._subgroups[(self._where[id(p)][0], self.ns_devices(p))]
-                rows = split_newton_schulz(rows, tuple(p.shape), pg, dtype=self.ns_dtype)
+        for (m, _, _), rows in zip(items, held):
+            if rows.numel():  # a member of the matrix's group
+                pg = self._subgroups[(m.ns, self._groups[m.key])]
+                rows = split_newton_schulz(rows, m.shape, pg, dtype=self.ns_dtype)
             done.append(rows)
-        for (p, group, _), ortho in zip(items, bucket.scatter(torch.cat(done), None)()):
-            self._apply(p, group, ortho)
-
-    def _bucket(self, params: list[torch.Tensor],
-                target: Callable[[torch.Tensor, int], ragged.RaggedShard]) -> _Bucket:
-        """The exchanges of ``params`` (one NS group) between their pieces and ``target(p, world)``."""
-        ns = self._where[id(params[0])][0]
-        return _Bucket(ns, [self._where[id(p)][1] for p in params], [target(p, ns.world) for p in params],
-                       [tuple(p.shape) for p in params])
-
-    def _by_ns_group(self, items: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> list[list]:
-        """``(param, group, update)`` items grouped by their NS group, in order."""
-        out: dict[NSGroup, list] = {}
-        for item in items:
-            out.setdefault(self._where[id(item[0])][0], []).append(item)
-        return list(out.values())
+        for (m, group, _), ortho in zip(items, bucket.scatter(torch.cat(done), None)()):
+            self._apply(m, group, ortho)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The side stream of ``device`` for Muon's exchanges (``None`` on CPU)."""
@@ -326,10 +368,10 @@ class Muon(ParamwiseOptimizer):
         buf.lerp_(grad.float(), 1 - mu)
         return torch.lerp(grad.float(), buf, mu) if group["nesterov"] else buf.clone()
 
-    def _apply(self, p: torch.Tensor, group: dict[str, Any], ortho: torch.Tensor) -> None:
-        local = local_slice(p, "param").flat
+    def _apply(self, m: _Matrix, group: dict[str, Any], ortho: torch.Tensor) -> None:
+        local = local_slice(m.p, "param").flat[m.lo:m.hi]  # the matrix's part of the parameter's elements
         local.mul_(1 - group["lr"] * group["weight_decay"])
-        local.add_(ortho.to(local.dtype), alpha=-group["lr"] * ragged.muon.muon_scale(tuple(p.shape)))
+        local.add_(ortho.to(local.dtype), alpha=-group["lr"] * ragged.muon.muon_scale(m.shape))
 
     def _adamw(self, p: torch.Tensor, name: str, group: dict[str, Any]) -> None:
         local = local_slice(p, name).flat
@@ -344,3 +386,10 @@ class Muon(ParamwiseOptimizer):
         local.mul_(1 - group["adamw_lr"] * group["weight_decay"])
         local.add_(direction.to(local.dtype), alpha=-group["adamw_lr"])
 
+
+def _by_ns_group(items: list[Step]) -> list[list[Step]]:
+    """Step items grouped by their matrices' NS group, in order."""
+    out: dict[NSGroup, list[Step]] = {}
+    for item in items:
+        out.setdefault(item[0].ns, []).append(item)
+    return list(out.values())

@@ -1,0 +1,73 @@
+"""What test_moe_optim runs in each gloo worker: 8-bit Adam and Muon on the MoE decoders under expert
+parallelism + FSDP, against single-process training with the same optimizer.
+
+The models, data (experts forced empty on some ranks, unused everywhere at step 0, or on whole EP ranks
+with ``+skewed``), the single-process reference and the comparison are ``_moe_workers``'s; only the
+optimizer changes: ``Adam8bit`` with every tensor planned by ``ragged.quant.tile_granularity`` (on the
+experts' ``fsdp`` unit too), ``Muon`` with whole matrices to NS devices or (``max_imbalance=1.0``) split
+over groups. Each case also returns where Muon orthogonalizes each matrix.
+"""
+
+from __future__ import annotations
+
+import ragged.muon
+import ragged.quant
+from tests.torch_backend import _moe_workers as W
+from tests.torch_backend._dist import run_cases
+
+
+def tiles(_name: str, shape: tuple[int, ...]):
+    return ragged.quant.tile_granularity(shape)
+
+
+def adam8bit(model):
+    from torch_backend.optim import Adam8bit
+
+    return Adam8bit(model.named_parameters(), lr=W.LR, weight_decay=W.WEIGHT_DECAY)
+
+
+def muon(max_imbalance: float | None, made: list):
+    """Muon (AdamW at the suite's settings for the rest); each optimizer built is appended to ``made``."""
+    from torch_backend.optim import Muon
+
+    def make(model):
+        opt = Muon(model.named_parameters(), lr=0.02, weight_decay=W.WEIGHT_DECAY, adamw_lr=W.LR,
+                   max_imbalance=max_imbalance)
+        made.append(opt)
+        return opt
+
+    return make
+
+
+def ns_devices(opt, model_params) -> dict[str, list[tuple[int, ...]]]:
+    """``{parameter: devices of each of its matrices}`` (one entry for a 2-D weight, E for a stack)."""
+    out = {}
+    for name, p in model_params:
+        if ragged.muon.muon_matrices(name, tuple(p.shape)):
+            out[name] = [opt.ns_devices(p, None if p.ndim == 2 else e)
+                         for e in range(1 if p.ndim == 2 else p.shape[0])]
+    return out
+
+
+def muon_case(name: str, rank: int, world: int, ep: int, max_imbalance: float | None) -> dict:
+    made: list = []
+    out = W.ep_case(name, rank, world, ep, optimizer=muon(max_imbalance, made))
+    sharded = made[0]  # the EP run's optimizer (the reference's comes after it)
+    params = [(n, p) for group in sharded.param_groups for n, p in zip(group["param_names"], group["params"])]
+    out["ns_devices"] = ns_devices(sharded, params)
+    return {**out, "skewed": name.endswith(W.SKEWED)}
+
+
+def adam8bit_case(name: str, rank: int, world: int, ep: int) -> dict:
+    return {**W.ep_case(name, rank, world, ep, optimizer=adam8bit,
+                          granularity=tiles), "skewed": name.endswith(W.SKEWED)}
+
+
+def checks(rank: int, world: int) -> dict:
+    cases = {}
+    for name in ("mixtral-tiny", "gpt-oss-tiny", f"gpt-oss-tiny{W.SKEWED}"):
+        cases[f"{name}/adam8bit"] = lambda name=name: adam8bit_case(name, rank, world, 2)
+        cases[f"{name}/muon"] = lambda name=name: muon_case(name, rank, world, 2, None)
+    for name in ("mixtral-tiny", "gpt-oss-tiny"):
+        cases[f"{name}/muon-split"] = lambda name=name: muon_case(name, rank, world, 2, 1.0)
+    return run_cases(cases)

@@ -1,0 +1,76 @@
+"""8-bit Adam and Muon on the MoE decoders under expert parallelism + FSDP equal single-process training.
+
+(ep, fsdp) = (2, 2) on 4 gloo ranks (tests/torch_backend/_moe_optim_workers.py over _moe_workers.py's models,
+data and reference): per-expert modules (mixtral-tiny) and fused ``[E, d, 2f]`` experts with biases
+(gpt-oss-tiny), five steps each with ``Adam8bit`` (every tensor planned by ``tile_granularity``: the
+experts' fsdp unit too) and ``Muon``, against the same optimizer on the whole model in one process. Experts
+go empty on some ranks every step and unused everywhere at step 0 (``.grad`` None, so both skip them);
+``+skewed`` also leaves whole EP ranks without a token.
+
+Muon orthogonalizes each expert's matrix (``ragged.muon.muon_matrices``: a fused stack is E matrices, its
+``[E, n]`` biases get AdamW), gathered whole to an NS device among its EP rank's fsdp ranks; with
+``max_imbalance=1.0`` the other matrices are split over groups (the experts stay whole: each EP rank's
+matrices balance exactly over its 2 fsdp ranks).
+
+Bounds. Muon: the suite's EP bound (test_fsdp_moe.py, 1e-4: an expert's gradient is summed in another
+order; Newton-Schulz normalises the matrix, so relative rounding passes through at about its size).
+Measured 1.0e-5 at most. 8-bit Adam: as on the llama (test_optim.py), that last-ulp difference can move a
+moment across a code's rounding threshold: one code step changes one element's step by a few percent of
+lr = 1e-2, about 2e-4 of a tensor's norm (init scale 0.02). Measured 2.2e-4 (one such flip); 2e-3 allows
+ten. Quantizing a tile other than the single-process one (a tile cut by a split) moves every element of it
+by a code step: far more. Losses: the EP fp32 bound 1e-5 (measured 1.1e-7).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.torch_backend import _moe_optim_workers as W
+from tests.torch_backend._dist import Launcher, case_results
+from tests.torch_backend._moe_workers import SKEWED, STEPS
+from tests.torch_backend.test_fsdp_moe import EP_FP32_RTOL, FP32_RTOL, assert_experts_went_empty_on_some_ranks
+
+ADAM8BIT_RTOL = 2e-3
+run = Launcher(str(Path(W.__file__)))
+MODELS = ("mixtral-tiny", "gpt-oss-tiny", f"gpt-oss-tiny{SKEWED}")
+
+
+def results(case: str) -> list[dict]:
+    return case_results(run(4), case)
+
+
+def assert_equals_single_process(ranks: list[dict], params_rtol: float) -> None:
+    if ranks[0]["skewed"]:  # EP rank 1's experts (ranks 2 and 3) receive no token in any step
+        assert [max(rows) for r in ranks[2:] for rows in r["received"]] == [0] * 2 * STEPS
+    else:
+        assert_experts_went_empty_on_some_ranks(ranks)
+    for r in ranks:
+        assert r["expert_numel_held"] * 2 == r["expert_numel_total"], r  # E / ep experts on each EP rank
+        assert r["fp32"]["loss"] <= FP32_RTOL and r["fp32"]["params"] <= params_rtol, r["fp32"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_adam8bit_under_expert_parallelism_equals_single_process(name):
+    assert_equals_single_process(results(f"{name}/adam8bit"), ADAM8BIT_RTOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_muon_under_expert_parallelism_equals_single_process(name):
+    ranks = results(f"{name}/muon")
+    assert_equals_single_process(ranks, EP_FP32_RTOL)
+    for r in ranks:  # each expert matrix whole on one of its EP rank's 2 fsdp ranks, both ranks used
+        experts = [d for n, ds in r["ns_devices"].items() if ".experts." in n for d in ds]
+        assert {len(d) for d in experts} == {1} and {d[0] for d in experts} == {0, 1}, r["ns_devices"]
+    if name.startswith("gpt-oss"):  # fused stacks: one matrix per local expert, biases to AdamW
+        stacks = {n: ds for n, ds in ranks[0]["ns_devices"].items() if ".experts." in n}
+        assert stacks and all(len(ds) == 4 and not n.endswith("bias") for n, ds in stacks.items()), stacks
+
+
+@pytest.mark.parametrize("name", ("mixtral-tiny", "gpt-oss-tiny"))
+def test_muon_with_split_groups_under_expert_parallelism_equals_single_process(name):
+    ranks = results(f"{name}/muon-split")
+    assert_equals_single_process(ranks, EP_FP32_RTOL)
+    split = [n for n, ds in ranks[0]["ns_devices"].items() if any(len(d) > 1 for d in ds)]
+    assert split and not any(".experts." in n for n in split), split
