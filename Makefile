@@ -21,8 +21,8 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The suite runs as two pytest processes, one per core: the JAX-heavy files (about 10 minutes) and the rest (about 8; serially it
-# takes about 18 minutes on 2 cores; the notebook test, 45 s, runs with the rest to balance them). The JAX half's output is printed after the other's.
+# The suite runs as two pytest processes, one per core: the JAX-heavy files (about 17 minutes) and the rest (about 13; measured
+# together on the quiet 2-core machine; the notebook test, 45 s, runs with the rest to balance them). The JAX half's output is printed after the other's.
 JAX_HALF := tests/jax_backend tests/experiments/test_train_jax.py tests/experiments/test_train_jax_moe.py
 test: $(STAMP) lint
 	@$(PY) -m pytest -q $(JAX_HALF) > .pytest-jax.log 2>&1 & jax=$$!; \
