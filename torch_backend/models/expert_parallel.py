@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ragged.models import ExpertParallelUnit, moe_shapes, plan_expert_parallel
+from ragged.models import ExpertParallelUnit, ExpertSource, moe_shapes, plan_expert_parallel
 from torch_backend.fsdp import GranularityArg, MixedPrecisionPolicy, fully_shard
 from torch_backend.fsdp._dcp_checkpoint import CheckpointAs
 from torch_backend.models.llama import OneProcessPlace
@@ -143,6 +143,12 @@ def _keep_local_experts(experts: nn.Module, lo: int, hi: int) -> None:
     experts.n_experts = hi - lo
 
 
+def _rank_sources(unit: ExpertParallelUnit, ep_rank: int) -> dict[str, ExpertSource]:
+    """EP rank ``ep_rank``'s local expert tensors (FQNs of the core's local plan) -> what each holds."""
+    k = len(unit.local.tensors)
+    return {t.name: s for t, s in zip(unit.local.tensors, unit.sources[ep_rank * k:(ep_rank + 1) * k])}
+
+
 def _one_process_places(model: MoEDecoder, units: tuple[ExpertParallelUnit, ...], ep_rank: int
                         ) -> dict[str, OneProcessPlace]:
     """Where each parameter this EP rank keeps sits in the one-process model (whose order the core's
@@ -152,10 +158,9 @@ def _one_process_places(model: MoEDecoder, units: tuple[ExpertParallelUnit, ...]
     index = {fqn: i for i, (fqn, _) in enumerate(whole)}
     places = {fqn: OneProcessPlace(i) for fqn, i in index.items() if ".experts." not in fqn}
     for unit in units:
-        k = len(unit.local.tensors)
-        for t, s in zip(unit.local.tensors, unit.sources[ep_rank * k:(ep_rank + 1) * k]):
+        for fqn, s in _rank_sources(unit, ep_rank).items():
             i = index[s.fqn]
-            places[t.name] = OneProcessPlace(i, s.lo, s.hi, None if s.lo is None else whole[i][1])
+            places[fqn] = OneProcessPlace(i, s.lo, s.hi, None if s.lo is None else whole[i][1])
     return places
 
 
@@ -164,9 +169,8 @@ def _name_globally(experts: nn.Module, unit: ExpertParallelUnit, ep_rank: int, w
     """Give each (sharded) expert parameter the one-process name the core's composed plan gives it and, for
     a fused slice, the whole tensor's shape on ``whole_mesh`` (``ep`` first, then the experts unit's mesh
     dims) in checkpoints."""
-    prefix, k = unit.name + ".", len(unit.local.tensors)
-    holds = {t.name.removeprefix(prefix): s for t, s in zip(unit.local.tensors,
-                                                             unit.sources[ep_rank * k:(ep_rank + 1) * k])}
+    prefix = unit.name + "."
+    holds = {fqn.removeprefix(prefix): s for fqn, s in _rank_sources(unit, ep_rank).items()}
     for name, p in experts.named_parameters():
         source = holds[name]  # "0.w1.weight" holds "...experts.4.w1.weight"; "gate_up_proj" rows [lo, hi)
         if source.lo is None:
