@@ -25,6 +25,7 @@ class DebugCounter:
 
     Attributes:
         calls: collectives issued, keyed by ``(kind, label)`` (a unit's name, or what else moved).
+        issued: the same ``(kind, label)`` pairs in the order they were issued.
         bytes: bytes moved by collectives, keyed by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``).
         copy_bytes: bytes the runtime copied outside collectives (same dtype).
         cast_bytes: bytes the runtime wrote while changing dtype (mixed precision only).
@@ -33,6 +34,7 @@ class DebugCounter:
     """
 
     calls: Counter = field(default_factory=Counter)
+    issued: list = field(default_factory=list)
     bytes: Counter = field(default_factory=Counter)
     copy_bytes: int = 0
     cast_bytes: int = 0
@@ -57,6 +59,7 @@ def debug_counter() -> Iterator[DebugCounter]:
 def record_collective(kind: str, label: str, tensor: torch.Tensor) -> None:
     for c in _ACTIVE:
         c.calls[(kind, label)] += 1
+        c.issued.append((kind, label))
         c.bytes[kind] += tensor.numel() * tensor.element_size()
 
 

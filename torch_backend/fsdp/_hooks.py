@@ -16,7 +16,10 @@ were); one all-reduce at the end of backward tells every rank which parameters g
 rank (those get their ``.grad`` everywhere; one no rank used keeps None, as in single-process training).
 Which units run forward and get a gradient must not depend on the data: before each unit event that
 communicates (forward, backward, reduce-scatter) the ranks agree on it (``RootContext.agree``) and raise
-together, before the first mismatched collective, when their data took them down different paths.
+together, before the first mismatched collective, when their data took them down different paths. When
+every unit shares one mesh, the reduce-scatters ride on the backward checks instead of their own: each
+backward check also takes the MIN over ranks of how many units at the head of the reduce order are done,
+and every rank issues exactly that many; one end-of-backward check precedes the rest.
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ from torch_backend._torch_internals import pytree, queue_backward_callback
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._unit import Unit
 
-# The ranks agree on each unit event before it communicates: one 2-int all-reduce per unit and event (3
-# per step: forward, backward, reduce-scatter; on CUDA each is a host sync). A model whose units run and
-# get gradients alike on every rank whatever the data may turn the checks off.
+# The ranks agree on each unit event before it communicates: one 3-int all-reduce per unit and event (on
+# one mesh 2 per unit and step, forward and backward, plus one at the end of backward; on CUDA each is a
+# host sync). A model whose units run and get gradients alike on every rank whatever the data may turn
+# the checks off.
 CHECK_EVENTS = os.environ.get("RAGGED_FSDP_CHECK_EVENTS", "1") != "0"
-FORWARD, BACKWARD, REDUCE = range(3)
-_EVENTS = ("forward", "backward", "reduce-scatter")
+FORWARD, BACKWARD, REDUCE, END = range(4)
+_EVENTS = ("forward", "backward", "reduce-scatter", "end of backward")
 
 
 def _eager(fn: Callable) -> Callable:
@@ -180,7 +184,9 @@ class FSDPState:
         else:
             self.root.begin_backward()
         if self.unit is not None:
-            self.root.agree(BACKWARD, self)
+            ready = self.root.agree(BACKWARD, self)
+            if self.root.reduce_at_checks and not self.root.defer_reduces:
+                self.root.reduce_first(ready)
             if self.unshard_in_backward:
                 self.unit.unshard()
         targets = self.backward_prefetch
@@ -197,7 +203,8 @@ class FSDPState:
         self._backward_done = True
         if self.unit.reshard_after_backward:
             self.unit.reshard()
-        self.root.reduce_ready()
+        if not self.root.reduce_at_checks:
+            self.root.reduce_ready()
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -309,6 +316,12 @@ class RootContext:
         self._to_reduce: list[FSDPState] = []  # this backward's reduce order, not yet issued
         self._reducing: list[Unit] = []
         self._reduced: list[Unit] = []
+        units = [s.unit for s in self.states if s.unit is not None]
+        # One mesh (FSDP or HSDP alone, or with TP): a backward check's group is every reduce-scatter's,
+        # so the reduce-scatters can be issued at the checks. Units on several meshes (EP: the experts'
+        # fsdp group beside the whole group) keep a check of their own before each reduce-scatter.
+        self.reduce_at_checks = CHECK_EVENTS and len({(u.shard_group, u.replicate_group) for u in units}) == 1
+        self._first_unit = next((s for s in self.states if s.unit is not None), None)  # END's check
         device = next((s.unit.device for s in self.states if s.unit is not None), None)
         cuda = device is not None and device.type == "cuda"
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
@@ -353,23 +366,27 @@ class RootContext:
         if grad_enabled and state.unit is not None and state not in self._trained:
             self._trained.append(state)
 
-    def agree(self, event: int, state: FSDPState) -> None:
-        """Raise on every rank unless every rank is about to run the same ``event`` of ``state``'s unit.
+    def agree(self, event: int, state: FSDPState) -> int:
+        """Raise on every rank unless every rank is about to run the same ``event`` of ``state``'s unit
+        (``END``: any unit's, the end of backward); return how many units at the head of the reduce order
+        have finished their backward on every rank (0 without checks).
 
         Called before each unit event that communicates (its forward, its backward, its reduce-scatter),
         so ranks whose data took them down different paths stop together, before the first collective
         that would pair one unit's buffer with another's (a silent mix, an abort or a hang).
         """
         if not CHECK_EVENTS:
-            return
+            return 0
         unit = state.unit
-        code = event * len(self.states) + self.states.index(state)
-        seen = torch.tensor([code, -code], dtype=torch.int64, device=unit.device)
+        code = event * len(self.states) + (0 if event == END else self.states.index(state))
+        ready = next((i for i, s in enumerate(self._to_reduce) if not s._backward_done), len(self._to_reduce))
+        seen = torch.tensor([code, -code, -ready], dtype=torch.int64, device=unit.device)
+        label = _EVENTS[event] if event == END else f"{_EVENTS[event]} of {unit.name}"
         for group in (unit.shard_group, unit.replicate_group):
             if group is not None:
-                all_reduce(seen, group, label=f"{_EVENTS[event]} of {unit.name} (check)",
-                           op=dist.ReduceOp.MAX).wait()
-        high, low = seen[0].item(), -seen[1].item()
+                all_reduce(seen, group, label=f"{label} (check)", op=dist.ReduceOp.MAX).wait()
+        high, low, ready = seen.tolist()
+        low = -low
         if high != low:
             other = low if low != code else high
             raise RuntimeError(
@@ -380,9 +397,12 @@ class RootContext:
                 "zero there), but every rank must run the same units and backpropagate into each of them: "
                 "shard such modules together with their parent (fully_shard the MoE layer, not each "
                 "expert), and add a loss term on every rank (times zero where it does not apply)")
+        return -ready
 
     def _event(self, code: int) -> str:
         event, index = divmod(code, len(self.states))
+        if event == END:
+            return "the end of backward"
         return f"the {_EVENTS[event]} of unit {self.states[index].unit.name!r}"
 
     def begin_graph_backward(self) -> None:
@@ -419,9 +439,15 @@ class RootContext:
         while self._to_reduce and self._to_reduce[0]._backward_done:
             self._reduce(self._to_reduce.pop(0))
 
+    def reduce_first(self, count: int) -> None:
+        """Issue the reduce-scatters of the first ``count`` units of the order (every rank: ``count``
+        came from a backward check, ``reduce_at_checks``)."""
+        for _ in range(count):
+            self._reduce(self._to_reduce.pop(0))
+
     def _reduce(self, state: FSDPState) -> None:
         self.finish_reduces()
-        if state.unit.requires_grad_sync:
+        if state.unit.requires_grad_sync and not self.reduce_at_checks:
             self.agree(REDUCE, state)
         if state.unit.reduce_gradients():
             self._reducing.append(state.unit)
@@ -435,6 +461,8 @@ class RootContext:
 
     def end_backward(self) -> None:
         """The end-of-backward callback: reduce the units left in order, finish, give out the gradients."""
+        if self.reduce_at_checks:
+            self.agree(END, self._first_unit)
         for s in self._to_reduce:  # their backward never ended here (no gradient reached them, ...)
             s._backward_done = True
             self._reduce(s)
