@@ -95,6 +95,56 @@ class Routed(nn.Module):
         return loss
 
 
+# Routes of ``SideTowers``' two experts: over 2 or 4 ranks, the first half of the rows uses both experts
+# on every rank, the second half only expert 0, so one rank's routed unit gets every gradient and
+# another's misses expert 1's.
+SIDE_ROUTES = [[0, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0], [1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0]]
+
+
+class SideTowers(nn.Module):
+    """A linear and a routed block both on the raw input (no gradient), their product into the head.
+
+    The routed block's backward runs first (autograd runs the later-built nodes first) and ends, on
+    a rank where every expert got rows, when its last gradient lands (its input needs none): before
+    the linear's backward starts there, but on a rank where expert 1 got no rows only at the end of
+    backward. Its reduce-scatter must wait for every rank, not go out when one rank is done.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(D, D)
+        self.second = RoutedBlock(experts=2)
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        return self.head(self.first(x) * self.second(x, route)).square().mean()
+
+
+def _side_towers(mesh, rank: int, world: int) -> dict:
+    from torch_backend import fully_shard
+
+    torch.manual_seed(SEED)
+    plain = SideTowers()
+    model = copy.deepcopy(plain)
+    fully_shard(model.first, mesh=mesh)
+    fully_shard(model.second, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+
+    def run(m: nn.Module, rows: slice) -> list[float]:
+        def step_loss(step: int) -> torch.Tensor:
+            x = torch.randn(B, D, generator=torch.Generator().manual_seed(300 + step))
+            return m(x[rows], torch.tensor(SIDE_ROUTES[step % 2])[rows])
+        return adamw_steps(m, step_loss, STEPS, rows != slice(None))
+
+    losses = run(model, rows)
+    params = full_params(model)
+    reference = (run(plain, slice(None)), full_params(plain))
+    experts = [sorted({int(e) for e in torch.tensor(SIDE_ROUTES[s % 2][rows]).unique()})
+               for s in range(STEPS)]
+    return against(reference, losses, params) | {"routes": experts}
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(B, D, generator=torch.Generator().manual_seed(100 + step))
     return x, torch.tensor(ROUTES[step])
@@ -216,6 +266,8 @@ def checks(rank: int, world: int) -> dict:
             case = f"routed_checkpointed_reentrant={reentrant}"
             cases[case] = lambda r=reentrant: _routed(mesh, rank, world, r)
     cases["switch"] = lambda: _switch_transformers(mesh, rank, world)
+    if world in (2, 4):
+        cases["side_towers"] = lambda: _side_towers(mesh, rank, world)
     cases["experts_as_units"] = lambda: _refused(mesh, rank, world, experts_as_units=True)
     cases["aux_without_gradient"] = lambda: _refused(mesh, rank, world, experts_as_units=False)
     return run_cases(cases)

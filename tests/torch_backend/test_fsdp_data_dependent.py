@@ -54,6 +54,18 @@ def test_routed_under_activation_checkpointing_trains_like_single_process(reentr
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_unit_done_on_some_ranks_first_reduces_when_every_rank_is(world):
+    """``SideTowers``: a unit's backward ends early on the ranks that used all its parameters and only at
+    the end of backward on the others; training still equals single-process training (before the
+    reduce-scatters rode on the backward checks, the early ranks' reduce met the others' next check
+    and every rank raised)."""
+    routes = [result(world, "side_towers", r)["routes"] for r in range(world)]
+    assert any(len({tuple(rank_routes[s]) for rank_routes in routes}) > 1 for s in range(W.STEPS))
+    r = result(world, "side_towers")
+    assert r["loss"] <= FP32_RTOL and r["params"] <= FP32_RTOL, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_huggingface_switch_transformers_trains_like_single_process(world):
     pytest.importorskip("transformers")
     hits = [result(world, "switch", r)["hits"] for r in range(world)]

@@ -16,10 +16,11 @@ were); one all-reduce at the end of backward tells every rank which parameters g
 rank (those get their ``.grad`` everywhere; one no rank used keeps None, as in single-process training).
 Which units run forward and get a gradient must not depend on the data: before each unit event that
 communicates (forward, backward, reduce-scatter) the ranks agree on it (``RootContext.agree``) and raise
-together, before the first mismatched collective, when their data took them down different paths. When
-every unit shares one mesh, the reduce-scatters ride on the backward checks instead of their own: each
-backward check also takes the MIN over ranks of how many units at the head of the reduce order are done,
-and every rank issues exactly that many; one end-of-backward check precedes the rest.
+together, before the first mismatched collective, when their data took them down different paths. The
+reduce-scatters ride on the backward checks: each also takes the MIN over the unit's ranks of how many
+units of its mesh, at the head of the reduce order, have finished their backward, and every rank issues
+exactly that many there (a unit done on one rank first waits for the others); at the end of backward one
+check per mesh with units left precedes their reduce-scatters.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from torch_backend._torch_internals import pytree, queue_backward_callback
 from torch_backend.fsdp._api import MixedPrecisionPolicy
 from torch_backend.fsdp._unit import Unit
 
-# The ranks agree on each unit event before it communicates: one 3-int all-reduce per unit and event (on
-# one mesh 2 per unit and step, forward and backward, plus one at the end of backward; on CUDA each is a
+# The ranks agree on each unit event before it communicates: one 3-int all-reduce per unit and event (2
+# per unit and step, forward and backward, plus one per mesh at the end of backward; on CUDA each is a
 # host sync). A model whose units run and get gradients alike on every rank whatever the data may turn
 # the checks off.
 CHECK_EVENTS = os.environ.get("RAGGED_FSDP_CHECK_EVENTS", "1") != "0"
-FORWARD, BACKWARD, REDUCE, END = range(4)
-_EVENTS = ("forward", "backward", "reduce-scatter", "end of backward")
+FORWARD, BACKWARD, END = range(3)
+_EVENTS = ("forward", "backward", "end of backward")
 
 
 def _eager(fn: Callable) -> Callable:
@@ -185,8 +186,8 @@ class FSDPState:
             self.root.begin_backward()
         if self.unit is not None:
             ready = self.root.agree(BACKWARD, self)
-            if self.root.reduce_at_checks and not self.root.defer_reduces:
-                self.root.reduce_first(ready)
+            if not self.root.defer_reduces:
+                self.root.reduce_first(ready, self.unit)
             if self.unshard_in_backward:
                 self.unit.unshard()
         targets = self.backward_prefetch
@@ -203,8 +204,13 @@ class FSDPState:
         self._backward_done = True
         if self.unit.reshard_after_backward:
             self.unit.reshard()
-        if not self.root.reduce_at_checks:
+        if not CHECK_EVENTS:
             self.root.reduce_ready()
+
+
+def _mesh_of(unit: Unit) -> tuple:
+    """The process groups a unit communicates over (its checks and reduce-scatter)."""
+    return unit.shard_group, unit.replicate_group
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -316,12 +322,6 @@ class RootContext:
         self._to_reduce: list[FSDPState] = []  # this backward's reduce order, not yet issued
         self._reducing: list[Unit] = []
         self._reduced: list[Unit] = []
-        units = [s.unit for s in self.states if s.unit is not None]
-        # One mesh (FSDP or HSDP alone, or with TP): a backward check's group is every reduce-scatter's,
-        # so the reduce-scatters can be issued at the checks. Units on several meshes (EP: the experts'
-        # fsdp group beside the whole group) keep a check of their own before each reduce-scatter.
-        self.reduce_at_checks = CHECK_EVENTS and len({(u.shard_group, u.replicate_group) for u in units}) == 1
-        self._first_unit = next((s for s in self.states if s.unit is not None), None)  # END's check
         device = next((s.unit.device for s in self.states if s.unit is not None), None)
         cuda = device is not None and device.type == "cuda"
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
@@ -368,25 +368,26 @@ class RootContext:
 
     def agree(self, event: int, state: FSDPState) -> int:
         """Raise on every rank unless every rank is about to run the same ``event`` of ``state``'s unit
-        (``END``: any unit's, the end of backward); return how many units at the head of the reduce order
-        have finished their backward on every rank (0 without checks).
+        (``END``: the end of backward, on that unit's mesh); return how many units of that mesh, at the
+        head of the reduce order, have finished their backward on every rank (0 without checks).
 
-        Called before each unit event that communicates (its forward, its backward, its reduce-scatter),
-        so ranks whose data took them down different paths stop together, before the first collective
-        that would pair one unit's buffer with another's (a silent mix, an abort or a hang).
+        Called before each unit's forward and backward and, per mesh, at the end of backward (the
+        reduce-scatters are issued at these checks), so ranks whose data took them down different paths
+        stop together, before the first collective that would pair one unit's buffer with another's (a
+        silent mix, an abort or a hang).
         """
         if not CHECK_EVENTS:
             return 0
         unit = state.unit
         code = event * len(self.states) + (0 if event == END else self.states.index(state))
-        ready = next((i for i, s in enumerate(self._to_reduce) if not s._backward_done), len(self._to_reduce))
+        queue = self._queue(unit)
+        ready = next((i for i, s in enumerate(queue) if not s._backward_done), len(queue))
         seen = torch.tensor([code, -code, -ready], dtype=torch.int64, device=unit.device)
         label = _EVENTS[event] if event == END else f"{_EVENTS[event]} of {unit.name}"
         for group in (unit.shard_group, unit.replicate_group):
             if group is not None:
                 all_reduce(seen, group, label=f"{label} (check)", op=dist.ReduceOp.MAX).wait()
-        high, low, ready = seen.tolist()
-        low = -low
+        high, low, ready = (v * sign for v, sign in zip(seen.tolist(), (1, -1, -1)))
         if high != low:
             other = low if low != code else high
             raise RuntimeError(
@@ -397,7 +398,7 @@ class RootContext:
                 "zero there), but every rank must run the same units and backpropagate into each of them: "
                 "shard such modules together with their parent (fully_shard the MoE layer, not each "
                 "expert), and add a loss term on every rank (times zero where it does not apply)")
-        return -ready
+        return ready
 
     def _event(self, code: int) -> str:
         event, index = divmod(code, len(self.states))
@@ -439,16 +440,23 @@ class RootContext:
         while self._to_reduce and self._to_reduce[0]._backward_done:
             self._reduce(self._to_reduce.pop(0))
 
-    def reduce_first(self, count: int) -> None:
-        """Issue the reduce-scatters of the first ``count`` units of the order (every rank: ``count``
-        came from a backward check, ``reduce_at_checks``)."""
-        for _ in range(count):
-            self._reduce(self._to_reduce.pop(0))
+    def _queue(self, unit: Unit) -> list[FSDPState]:
+        """The units left to reduce on ``unit``'s mesh, in reduce order."""
+        return [s for s in self._to_reduce if _mesh_of(s.unit) == _mesh_of(unit)]
+
+    def reduce_first(self, count: int, unit: Unit) -> None:
+        """Issue the reduce-scatters of the first ``count`` units left on ``unit``'s mesh (every rank of
+        it: ``count`` came from a backward check over that mesh).
+
+        Each mesh keeps the reduce order among its own units, so its ranks issue its collectives in one
+        order; a unit of another mesh never waits here for the ranks of this one.
+        """
+        for s in self._queue(unit)[:count]:
+            self._to_reduce.remove(s)
+            self._reduce(s)
 
     def _reduce(self, state: FSDPState) -> None:
         self.finish_reduces()
-        if state.unit.requires_grad_sync and not self.reduce_at_checks:
-            self.agree(REDUCE, state)
         if state.unit.reduce_gradients():
             self._reducing.append(state.unit)
             self._reduced.append(state.unit)
@@ -461,8 +469,10 @@ class RootContext:
 
     def end_backward(self) -> None:
         """The end-of-backward callback: reduce the units left in order, finish, give out the gradients."""
-        if self.reduce_at_checks:
-            self.agree(END, self._first_unit)
+        if CHECK_EVENTS:
+            meshes = {_mesh_of(s.unit): s for s in reversed(self._to_reduce)}  # each mesh's first unit
+            for first in sorted(meshes.values(), key=self.states.index):
+                self.agree(END, first)
         for s in self._to_reduce:  # their backward never ended here (no gradient reached them, ...)
             s._backward_done = True
             self._reduce(s)
