@@ -14,13 +14,13 @@ Collectives never depend on the data. Every rank reduce-scatters every training 
 in reverse forward order, whether or not its parameters were used on that rank (zeros where none
 were); one all-reduce at the end of backward tells every rank which parameters got a gradient on some
 rank (those get their ``.grad`` everywhere; one no rank used keeps None, as in single-process training).
-Which units run forward and get a gradient must not depend on the data: before each unit event that
-communicates (forward, backward, reduce-scatter) the ranks agree on it (``RootContext.agree``) and raise
-together, before the first mismatched collective, when their data took them down different paths. The
-reduce-scatters ride on the backward checks: each also takes the MIN over the unit's ranks of how many
-units of its mesh, at the head of the reduce order, have finished their backward, and every rank issues
-exactly that many there (a unit done on one rank first waits for the others); at the end of backward one
-check per mesh with units left precedes their reduce-scatters.
+Which units run forward and get a gradient must not depend on the data: before each unit's forward and
+backward the ranks agree on it (``RootContext.agree``) and raise together, before the first mismatched
+collective, when their data took them down different paths. The reduce-scatters ride on the backward
+checks: each also takes the MIN over the unit's ranks of how many units of its mesh, at the head of the
+reduce order, have finished their backward, and every rank issues exactly that many there (a unit done
+on one rank first waits for the others); at the end of backward one check per mesh with units left
+precedes their reduce-scatters.
 """
 
 from __future__ import annotations
