@@ -29,11 +29,12 @@ import pytest
 
 from tests.torch_backend import _moe_optim_workers as W
 from tests.torch_backend._dist import Launcher, case_results
-from tests.torch_backend._moe_workers import SKEWED, STEPS
+from tests.torch_backend._moe_workers import ONE_LAYER_6_EXPERTS, SKEWED, STEPS
 from tests.torch_backend.test_fsdp_moe import EP_FP32_RTOL, FP32_RTOL, assert_experts_went_empty_on_some_ranks
 
 ADAM8BIT_RTOL = 2e-3
 run = Launcher(str(Path(W.__file__)))
+run_split_experts = Launcher(str(Path(W.__file__)), "split_expert_checks")
 MODELS = ("mixtral-tiny", "gpt-oss-tiny", f"gpt-oss-tiny{SKEWED}")
 
 
@@ -74,3 +75,17 @@ def test_muon_with_split_groups_under_expert_parallelism_equals_single_process(n
     assert_equals_single_process(ranks, EP_FP32_RTOL)
     split = [n for n, ds in ranks[0]["ns_devices"].items() if any(len(d) > 1 for d in ds)]
     assert split and not any(".experts." in n for n in split), split
+
+
+@pytest.mark.parametrize("name", ("mixtral-tiny", "gpt-oss-tiny"))
+def test_muon_with_expert_matrices_split_under_expert_parallelism_equals_single_process(name):
+    ranks = case_results(run_split_experts(4), f"{name}{ONE_LAYER_6_EXPERTS}/muon-split")
+    assert_equals_single_process(ranks, EP_FP32_RTOL)
+    for r in ranks:  # expert matrices split over both fsdp ranks of their EP rank, some cut by a shard
+        experts = {n: ds for n, ds in r["ns_devices"].items() if ".experts." in n}
+        split = {(n, e) for n, ds in experts.items() for e, d in enumerate(ds) if len(d) > 1}
+        assert split and all(d == (0, 1) for ds in experts.values() for d in ds if len(d) > 1), experts
+        assert split & set(r["expert_matrices_across_shards"]), (split, r["expert_matrices_across_shards"])
+    if name.startswith("gpt-oss"):  # fused stacks: one matrix per local expert, matrix e split on its own
+        stacks = {n: ds for n, ds in ranks[0]["ns_devices"].items() if ".experts." in n}
+        assert stacks and all(len(ds) == 3 for ds in stacks.values()), stacks
