@@ -12,17 +12,17 @@ Muon orthogonalizes each expert's matrix (``ragged.muon.muon_matrices``: a fused
 ``max_imbalance=1.0`` the other matrices are split over groups (the experts stay whole: each EP rank's
 matrices balance exactly over its 2 fsdp ranks). On one MoE layer of 6 experts (``+1-layer-6-experts``,
 its own launch) an EP rank's 3 experts' matrices (9 equal ones, or 3 + 3 in two stacks) do not balance
-whole, so with ``max_imbalance=1.0`` they split over both fsdp ranks too, a stack's matrix ``e`` as its
-own group, gathered from the ranks' pieces of the stack (a shard boundary cuts ``gate_up_proj[2]``).
+whole, so with ``max_imbalance=1.0`` they split over both fsdp ranks too, each matrix ``e`` of a stack
+on its own, gathered from the ranks' pieces of the stack (a shard boundary cuts ``gate_up_proj[2]``).
 
 Bounds. Muon: the suite's EP bound (test_fsdp_moe.py, 1e-4: an expert's gradient is summed in another
 order; Newton-Schulz normalises the matrix, so relative rounding passes through at about its size).
 Measured 1.0e-5 at most; with split expert matrices 6.9e-6 (mixtral-tiny), 9.3e-6 (gpt-oss-tiny).
-8-bit Adam: as on the llama (test_optim.py), that last-ulp difference can move a
-moment across a code's rounding threshold: one code step changes one element's step by a few percent of
-lr = 1e-2, about 2e-4 of a tensor's norm (init scale 0.02). Measured 2.2e-4 (one such flip); 2e-3 allows
-ten. Quantizing a tile other than the single-process one (a tile cut by a split) moves every element of it
-by a code step: far more. Losses: the EP fp32 bound 1e-5 (measured 1.1e-7).
+8-bit Adam: as on the llama (test_optim.py), that last-ulp difference can move a moment across a code's
+rounding threshold: one code step changes one element's step by a few percent of lr = 1e-2, about 2e-4
+of a tensor's norm (init scale 0.02). Measured 2.2e-4 (one such flip); 2e-3 allows ten. Quantizing a
+tile other than the single-process one (a tile cut by a split) moves every element of it by a code step:
+far more. Losses: the EP fp32 bound 1e-5 (measured 1.1e-7).
 """
 
 from __future__ import annotations
