@@ -5,7 +5,8 @@ The models, data (experts forced empty on some ranks, unused everywhere at step 
 with ``+skewed``), the single-process reference and the comparison are ``_moe_workers``'s; only the
 optimizer changes: ``Adam8bit`` with every tensor planned by ``ragged.quant.tile_granularity`` (on the
 experts' ``fsdp`` unit too), ``Muon`` with whole matrices to NS devices or (``max_imbalance=1.0``) split
-over groups. Each case also returns where Muon orthogonalizes each matrix.
+over groups, the experts' matrices too on one MoE layer of 6 experts (``split_expert_checks``). Each Muon
+case also returns where Muon orthogonalizes each matrix and which expert matrices a shard boundary cuts.
 """
 
 from __future__ import annotations
@@ -49,12 +50,28 @@ def ns_devices(opt, model_params) -> dict[str, list[tuple[int, ...]]]:
     return out
 
 
+def expert_matrices_across_shards(model_params) -> list[tuple[str, int]]:
+    """The experts' matrices that a shard boundary cuts, as ``(parameter, matrix index)`` (index 0 for a
+    2-D weight, as in ``ns_devices``): pieces of one matrix on several ``fsdp`` ranks, which Muon's
+    gather joins (``ragged.muon.matrix_holdings``)."""
+    out = []
+    for name, p in model_params:
+        if ".experts." not in name or not ragged.muon.muon_matrices(name, tuple(p.shape)):
+            continue
+        stack = (1, *p.shape) if p.ndim == 2 else tuple(p.shape)
+        ranges = tuple(((a, b),) for a, b in p.placements[0].core.ranges(tuple(p.shape), name))
+        out += [(name, e) for e in range(stack[0])
+                if sum(1 for h in ragged.muon.matrix_holdings(ranges, stack, e, name)[0] if h) > 1]
+    return out
+
+
 def muon_case(name: str, rank: int, world: int, ep: int, max_imbalance: float | None) -> dict:
     made: list = []
     out = W.ep_case(name, rank, world, ep, optimizer=muon(max_imbalance, made))
     sharded = made[0]  # the EP run's optimizer (the reference's comes after it)
     params = [(n, p) for group in sharded.param_groups for n, p in zip(group["param_names"], group["params"])]
     out["ns_devices"] = ns_devices(sharded, params)
+    out["expert_matrices_across_shards"] = expert_matrices_across_shards(params)
     return {**out, "skewed": name.endswith(W.SKEWED)}
 
 
@@ -71,3 +88,12 @@ def checks(rank: int, world: int) -> dict:
     for name in ("mixtral-tiny", "gpt-oss-tiny"):
         cases[f"{name}/muon-split"] = lambda name=name: muon_case(name, rank, world, 2, 1.0)
     return run_cases(cases)
+
+
+def split_expert_checks(rank: int, world: int) -> dict:
+    """Muon with ``max_imbalance=1.0`` on one MoE layer of 6 experts: an EP rank's 3 experts' matrices do
+    not balance whole over its 2 fsdp ranks, so they split too (a stack's matrix ``e`` on its own). A launch
+    of its own: split Newton-Schulz is about a thousand small collectives per case, slow on loaded CPUs."""
+    return run_cases({f"{name}{W.ONE_LAYER_6_EXPERTS}/muon-split":
+                      lambda name=name: muon_case(f"{name}{W.ONE_LAYER_6_EXPERTS}", rank, world, 2, 1.0)
+                      for name in ("mixtral-tiny", "gpt-oss-tiny")})

@@ -19,6 +19,7 @@ forward and backward run on a bf16 copy of the fp32 master, and the bf16 gradien
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -36,9 +37,15 @@ STEPS, ROWS, SEQ, SEED, LR, WEIGHT_DECAY = 5, 4, 8, 0, 1e-2, 0.1  # 4 rows: an e
 
 
 SKEWED = "+skewed"  # a router bias of +5 on experts 0 .. top_k-1 of every MoE layer: every token goes there
+# one MoE layer of 6 experts: at ep 2 an EP rank holds 3, an odd number of equal expert matrices (3 or
+# 3 + 3) for its 2 fsdp ranks, so whole-matrix NS devices cannot balance them (two layers would: 18, 6 + 6)
+ONE_LAYER_6_EXPERTS = "+1-layer-6-experts"
 
 
 def config(name: str):
+    if name.endswith(ONE_LAYER_6_EXPERTS):
+        preset = MOE_CONFIGS[name.removesuffix(ONE_LAYER_6_EXPERTS)]
+        return dataclasses.replace(preset, n_layers=1, n_experts=6)
     return MOE_CONFIGS[name.removesuffix(SKEWED)]
 
 

@@ -10,15 +10,19 @@ go empty on some ranks every step and unused everywhere at step 0 (``.grad`` Non
 Muon orthogonalizes each expert's matrix (``ragged.muon.muon_matrices``: a fused stack is E matrices, its
 ``[E, n]`` biases get AdamW), gathered whole to an NS device among its EP rank's fsdp ranks; with
 ``max_imbalance=1.0`` the other matrices are split over groups (the experts stay whole: each EP rank's
-matrices balance exactly over its 2 fsdp ranks).
+matrices balance exactly over its 2 fsdp ranks). On one MoE layer of 6 experts (``+1-layer-6-experts``,
+its own launch) an EP rank's 3 experts' matrices (9 equal ones, or 3 + 3 in two stacks) do not balance
+whole, so with ``max_imbalance=1.0`` they split over both fsdp ranks too, each matrix ``e`` of a stack
+on its own, gathered from the ranks' pieces of the stack (a shard boundary cuts ``gate_up_proj[2]``).
 
 Bounds. Muon: the suite's EP bound (test_fsdp_moe.py, 1e-4: an expert's gradient is summed in another
 order; Newton-Schulz normalises the matrix, so relative rounding passes through at about its size).
-Measured 1.0e-5 at most. 8-bit Adam: as on the llama (test_optim.py), that last-ulp difference can move a
-moment across a code's rounding threshold: one code step changes one element's step by a few percent of
-lr = 1e-2, about 2e-4 of a tensor's norm (init scale 0.02). Measured 2.2e-4 (one such flip); 2e-3 allows
-ten. Quantizing a tile other than the single-process one (a tile cut by a split) moves every element of it
-by a code step: far more. Losses: the EP fp32 bound 1e-5 (measured 1.1e-7).
+Measured 1.0e-5 at most; with split expert matrices 6.9e-6 (mixtral-tiny), 9.3e-6 (gpt-oss-tiny).
+8-bit Adam: as on the llama (test_optim.py), that last-ulp difference can move a moment across a code's
+rounding threshold: one code step changes one element's step by a few percent of lr = 1e-2, about 2e-4
+of a tensor's norm (init scale 0.02). Measured 2.2e-4 (one such flip); 2e-3 allows ten. Quantizing a
+tile other than the single-process one (a tile cut by a split) moves every element of it by a code step:
+far more. Losses: the EP fp32 bound 1e-5 (measured 1.1e-7).
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ import pytest
 
 from tests.torch_backend import _moe_optim_workers as W
 from tests.torch_backend._dist import Launcher, case_results
-from tests.torch_backend._moe_workers import SKEWED, STEPS
+from tests.torch_backend._moe_workers import ONE_LAYER_6_EXPERTS, SKEWED, STEPS
 from tests.torch_backend.test_fsdp_moe import EP_FP32_RTOL, FP32_RTOL, assert_experts_went_empty_on_some_ranks
 
 ADAM8BIT_RTOL = 2e-3
 run = Launcher(str(Path(W.__file__)))
+run_split_experts = Launcher(str(Path(W.__file__)), "split_expert_checks")
 MODELS = ("mixtral-tiny", "gpt-oss-tiny", f"gpt-oss-tiny{SKEWED}")
 
 
@@ -74,3 +79,17 @@ def test_muon_with_split_groups_under_expert_parallelism_equals_single_process(n
     assert_equals_single_process(ranks, EP_FP32_RTOL)
     split = [n for n, ds in ranks[0]["ns_devices"].items() if any(len(d) > 1 for d in ds)]
     assert split and not any(".experts." in n for n in split), split
+
+
+@pytest.mark.parametrize("name", ("mixtral-tiny", "gpt-oss-tiny"))
+def test_muon_with_expert_matrices_split_under_expert_parallelism_equals_single_process(name):
+    ranks = case_results(run_split_experts(4), f"{name}{ONE_LAYER_6_EXPERTS}/muon-split")
+    assert_equals_single_process(ranks, EP_FP32_RTOL)
+    for r in ranks:  # expert matrices split over both fsdp ranks of their EP rank, some cut by a shard
+        experts = {n: ds for n, ds in r["ns_devices"].items() if ".experts." in n}
+        split = {(n, e) for n, ds in experts.items() for e, d in enumerate(ds) if len(d) > 1}
+        assert split and all(d == (0, 1) for ds in experts.values() for d in ds if len(d) > 1), experts
+        assert split & set(r["expert_matrices_across_shards"]), (split, r["expert_matrices_across_shards"])
+    if name.startswith("gpt-oss"):  # fused stacks: one matrix per local expert, matrix e split on its own
+        stacks = {n: ds for n, ds in ranks[0]["ns_devices"].items() if ".experts." in n}
+        assert stacks and all(len(ds) == 3 for ds in stacks.values()), stacks
