@@ -1,27 +1,34 @@
-"""Expert parallelism composed with ragged FSDP (``parallelize_moe``) on 8 host devices.
+"""Expert parallelism composed with ragged FSDP (``parallelize_moe``) on 4 and 8 host devices.
 
-Five AdamW steps at (ep, fsdp) = (1, 8), (2, 4), (4, 2) and (2, 2) with 2 HSDP replicas (fp32; bf16 at
-(2, 4) and (2, 2) x 2), for per-expert modules (mixtral-tiny) and fused experts with biases
-(gpt-oss-tiny), equal single-device training of the whole MoE (``jax.grad`` of the unsharded model,
-``optax.adamw`` on its pytree). The reference's loss is the mean of the 8 device batches' losses, computed
+Five AdamW steps at (ep, fsdp) = (1, 4), (2, 2), (4, 1) on 4 devices and (2, 2) with 2 HSDP replicas on 8
+(fp32; bf16 at (2, 4) and (2, 2) x 2 on 8), for per-expert modules (mixtral-tiny) and fused experts with
+biases (gpt-oss-tiny), equal single-device training of the whole MoE (``jax.grad`` of the unsharded model,
+``optax.adamw`` on its pytree). The reference's loss is the mean of the device batches' losses, computed
 apart: the load-balancing loss is a product of per-batch means, so data-parallel training defines it per
 device's batch.
 
 Experts go empty, forced by the data and the router: the devices at fsdp index 0 (one per EP rank and
-replica) see one token repeated, so their tokens route alike and reach ``top_k`` experts only, and
-gpt-oss-tiny's first MoE layer has a router bias of +5 on experts 0 .. top_k-1, so there every token goes
-to them and the other EP ranks' experts receive nothing. Step 0 repeats one token in every row but for
-its first two positions. The test asserts, from the reference's routing, that some experts received no
-row from their EP group in some step and, for ep > 1, that some EP rank's experts all did.
+replica; at fsdp = 1 every device) see one token repeated, so their tokens route alike and reach
+``top_k`` experts only, and gpt-oss-tiny's first MoE layer has a router bias of +5 on experts
+0 .. top_k-1, so there every token goes to them and the other EP ranks' experts receive nothing. Step 0
+repeats one token in every row but for its first two positions. The test asserts, from the reference's
+routing, that some experts received no row from their EP group in some step and, for ep > 1, that some EP
+rank's experts all did.
 
-Bounds: fp32 within 1e-5 (relative, per tensor and per loss). The sharded step sums each gradient in
-another order (an expert's over the devices of its EP group and then its fsdp peers, the rest by
-reduce-scatter), a few fp32 roundings of a 5-step run whose parameters move by ~1e-2 (lr); AdamW divides
-by sqrt(nu), which amplifies them where a gradient is near zero: the same order as the rounding of JAX
-on one device against torch that the README reports for the llama (7.5e-6). Measured on parameters:
-6.5e-7 at (1, 8), 2.3e-6 / 6.4e-7 at (2, 4), 4.6e-6 / 1.6e-6 at (4, 2), 1.6e-6 / 1.2e-6 at (2, 2) x 2
-replicas (mixtral-tiny / gpt-oss-tiny); losses within 9e-8. A token routed to another expert would move
-its layer's output by ~1e-2, far outside the bound.
+Bounds (fp32): as the suite's other JAX step tests (tests/jax_backend/jax_reference.py, above
+``FP32_EPS``), by a GSPMD data-parallel baseline of the same case on the same devices
+(``train_reference(gspmd=True)``: one device batch's loss ``vmap``-ed over the device axis, split over the
+devices, parameters replicated, XLA's all-reduce summing the gradients). The reference stays the truth: ours
+within twice the baseline's distance from it (or 5 fp32 roundings), on losses and on the worst tensor.
+The sharded step sums each gradient in another order (an expert's over the devices of its EP group and
+then its fsdp peers, the rest by reduce-scatter), as the baseline sums them in its own; AdamW divides by
+sqrt(nu), which amplifies that rounding where a gradient is near zero, most at fsdp = 1, whose data after
+step 0 is one token per step on every device: a fixed 1e-5 does not hold there (gpt-oss-tiny at (4, 1):
+``layers.1.attention.wq.weight``, a non-expert weight, 1.14e-5), and the baseline is as far. Measured on
+parameters, ours / baseline (mixtral-tiny; gpt-oss-tiny): (1, 4) 6.9e-7 / 6.8e-7; 9.6e-7 / 1.0e-6,
+(2, 2) 7.3e-7 / 9.5e-7; 9.9e-7 / 1.0e-6, (4, 1) 7.5e-6 / 1.1e-5; 1.1e-5 / 7.9e-6, (2, 2) x 2 replicas
+1.6e-6 / 1.0e-6; 1.2e-6 / 6.4e-7 (the closest to its bound, 1.3e-6); losses within 7.7e-8 (baseline
+8.6e-8). A token routed to another expert would move its layer's output by ~1e-2, far outside the bound.
 
 bf16 under the mixed-precision policy (bf16 gathers, compute and all-to-all; fp32 reduce and masters) at
 (2, 4) and (2, 2) x 2 replicas: against the policy reference (each device batch on its own bf16 copy of the
@@ -42,6 +49,7 @@ same assignments (the first ``C`` per expert in token order are kept), and the l
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -50,6 +58,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_backend import MixedPrecisionPolicy, make_mesh, on_shards
 from jax_backend.models import model_params
@@ -57,13 +67,14 @@ from jax_backend.models.expert_parallel import parallelize_moe
 from jax_backend.models.llama import FeedForward
 from jax_backend.models.moe import MoEDecoder, load_balancing_loss, moe_loss, route_tokens
 from ragged.models import MOE_CONFIGS
-from tests.jax_backend.jax_reference import rel_err
+from tests.jax_backend.jax_reference import assert_within_baseline, rel_err
 
-DEVICES, ROWS, SEQ, STEPS, LR = 8, 2, 8, 5, 1e-2  # ROWS per device
-CASES = [(1, 8, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2)]  # (ep, fsdp, replica)
+DEVICES, ROWS, SEQ, STEPS, LR = 8, 2, 8, 5, 1e-2  # ROWS per device; DEVICES: the bf16 and capacity tests'
+CASES = [(1, 4, 1), (2, 2, 1), (4, 1, 1), (2, 2, 2)]  # (ep, fsdp, replica), on ep * fsdp * replica devices
 BF16_CASES = [(2, 4, 1), (2, 2, 2)]
 MODELS = ["mixtral-tiny", "gpt-oss-tiny"]
-RTOL = 1e-5
+ADAMW = optax.adamw(LR, weight_decay=0.1)
+RTOL = 1e-5  # losses where no baseline runs: one forward (capacity), the optimizer tests (measured 8.6e-8)
 BF16_RTOL = 2e-2  # a few bf16 epsilons (2^-8), as tests/torch_backend/test_fsdp_moe.py
 
 
@@ -76,46 +87,71 @@ def build(name: str) -> MoEDecoder:
     return model
 
 
-def batches(vocab: int, fsdp: int) -> np.ndarray:
-    """(STEPS, DEVICES * ROWS, SEQ + 1) token ids, device d's rows at [d ROWS, (d+1) ROWS)."""
+def batches(vocab: int, fsdp: int, devices: int = DEVICES) -> np.ndarray:
+    """(STEPS, devices * ROWS, SEQ + 1) token ids, device d's rows at [d ROWS, (d+1) ROWS)."""
     rng = np.random.default_rng(0)
-    data = rng.integers(0, vocab, size=(STEPS, DEVICES * ROWS, SEQ + 1)).astype(np.int32)
+    data = rng.integers(0, vocab, size=(STEPS, devices * ROWS, SEQ + 1)).astype(np.int32)
     data[0, :, 2:] = data[0, :, 2:3]  # step 0: one token per row but for two positions
-    at_fsdp_0 = [d for d in range(DEVICES) if d % fsdp == 0]
+    at_fsdp_0 = [d for d in range(devices) if d % fsdp == 0]
     for s in range(1, STEPS):
         for d in at_fsdp_0:
             data[s, d * ROWS:(d + 1) * ROWS] = data[s, 0, 0]  # one token: routes to top_k experts only
     return data
 
 
-def device_losses(graphdef: nnx.GraphDef, params: nnx.State, inputs: jax.Array, targets: jax.Array,
-                  coef: float, dtype=None) -> jax.Array:
-    """Each device batch's loss, (DEVICES,); with ``dtype``, each on its own ``dtype`` copy of ``params``
-    (the mixed-precision policy: each device's gradient is cast back to fp32 before they are summed)."""
-    xs, ys = inputs.reshape(DEVICES, ROWS, SEQ), targets.reshape(DEVICES, ROWS, SEQ)
-    cast = (lambda p: p) if dtype is None else (lambda p: jax.tree.map(lambda a: a.astype(dtype), p))
-    return jnp.stack([moe_loss(nnx.merge(graphdef, cast(params))(x), y, coef) for x, y in zip(xs, ys)])
+def device_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, coef: float,
+                dtype=None) -> jax.Array:
+    """One device batch's loss, token ids (ROWS, SEQ + 1); with ``dtype``, on its own ``dtype`` copy of
+    ``params`` (the mixed-precision policy: each device's gradient is cast back to fp32 before they are
+    summed)."""
+    if dtype is not None:
+        params = jax.tree.map(lambda a: a.astype(dtype), params)
+    return moe_loss(nnx.merge(graphdef, params)(batch[:, :-1]), batch[:, 1:], coef)
 
 
-def train_reference(model: MoEDecoder, data: np.ndarray, dtype=None,
-                    opt: optax.GradientTransformation | None = None) -> tuple[list[float], list[dict]]:
-    """Single-device ``opt`` (AdamW), forward and backward in ``dtype`` per device batch (as
-    ``device_losses``): the loss per step and the parameters before each step and after the last."""
-    graphdef, params = nnx.split(model, nnx.Param)
-    opt = opt or optax.adamw(LR, weight_decay=0.1)
-    coef = model.config.aux_loss_coef
+@functools.cache
+def reference_step(graphdef: nnx.GraphDef, opt: optax.GradientTransformation, coef: float, dtype,
+                   gspmd: bool):
+    """``train_reference``'s jitted step on a (devices, ROWS, SEQ + 1) batch, the loss the mean of the
+    devices' ``device_loss``: one after the other on one device, or (``gspmd``) ``vmap``-ed over the
+    device axis. Cached: the runs of one model, optimizer and device count compile once."""
+    def loss_fn(params, batch):
+        one = lambda b: device_loss(graphdef, params, b, coef, dtype)  # noqa: E731
+        return jnp.mean(jax.vmap(one)(batch) if gspmd else jnp.stack([one(b) for b in batch]))
 
     @jax.jit
-    def step(params, state, x, y):
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean(device_losses(graphdef, p, x, y, coef, dtype)))(params)
+    def step(params, state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
+    return step
+
+
+def train_reference(model: MoEDecoder, data: np.ndarray, dtype=None,
+                    opt: optax.GradientTransformation = ADAMW,
+                    gspmd: bool = False) -> tuple[list[float], list[dict]]:
+    """Single-device ``opt`` (AdamW) of the mean of the device batches' losses (``data.shape[1] // ROWS``
+    devices), forward and backward in ``dtype`` per device batch: the loss per step and the parameters
+    before each step and after the last.
+
+    With ``gspmd``, the same training as GSPMD data parallelism over those devices, the fp32 test's
+    baseline (jax_reference.within_baseline): the device batches on a leading axis split over as many
+    devices (the first ones), one device batch's loss ``vmap``-ed over it, the parameters and optimizer
+    state replicated: XLA's partitioner gives each device its batch and sums the gradients (an all-reduce).
+    """
+    graphdef, params = nnx.split(model, nnx.Param)
+    devices = data.shape[1] // ROWS
+    batches_ = data.reshape(len(data), devices, ROWS, SEQ + 1)
+    if gspmd:
+        mesh = make_mesh((devices,), ("data",))
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        batches_ = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches_]
+    step = reference_step(graphdef, opt, model.config.aux_loss_coef, dtype, gspmd)
     state, losses, history = opt.init(params), [], []
-    for b in data:
+    for b in batches_:
         history.append(model_params(nnx.merge(graphdef, params)))
-        params, state, loss = step(params, state, b[:, :-1], b[:, 1:])
+        params, state, loss = step(params, state, b)
         losses.append(float(loss))
     history.append(model_params(nnx.merge(graphdef, params)))
     return losses, history
@@ -128,13 +164,14 @@ def train_ep(model: MoEDecoder, data: np.ndarray, ep: int, fsdp: int, replica: i
     """``parallelize_moe`` training (with ``granularity``): losses, final full params and each step's
     per-device drop counts. AdamW, or ``on_shards(on_shards_opt(fsdp))`` for a layout-aware optimizer."""
     hsdp = replica > 1
+    assert data.shape[1] == replica * ep * fsdp * ROWS, f"data of {data.shape[1] // ROWS} devices, mesh of " \
+        f"{replica * ep * fsdp}: each device would train on other rows than the reference's"
     mesh = make_mesh((replica, ep, fsdp), ("replica", "ep", "fsdp")) if hsdp else \
         make_mesh((ep, fsdp), ("ep", "fsdp"))
     runtime = parallelize_moe(model, mesh, replica_axis="replica" if hsdp else None,
                               capacity_factor=capacity_factor, mp_policy=mp_policy,
                               granularity=granularity)
-    opt = optax.adamw(LR, weight_decay=0.1) if on_shards_opt is None else \
-        on_shards(on_shards_opt(runtime.fsdp))
+    opt = ADAMW if on_shards_opt is None else on_shards(on_shards_opt(runtime.fsdp))
     buffers = runtime.shard_params(model_params(model))
     state, model_state = runtime.fsdp.init(opt, buffers), runtime.init_model_state()
     step = runtime.fsdp.train_step(opt, lambda out, y: moe_loss(out, y, model.config.aux_loss_coef))
@@ -185,11 +222,11 @@ def routed_forward(model: MoEDecoder, tokens: np.ndarray, capacity: int | None) 
 _REFERENCES: dict[str, tuple] = {}
 
 
-def reference(name: str, fsdp: int, dtype=None) -> tuple[list[float], list[dict], np.ndarray]:
-    key = f"{name}/{fsdp}/{dtype}"
+def reference(name: str, fsdp: int, devices: int, dtype=None) -> tuple[list[float], list[dict], np.ndarray]:
+    key = f"{name}/{fsdp}/{devices}/{dtype}"
     if key not in _REFERENCES:
         model = build(name)
-        data = batches(model.config.vocab_size, fsdp)
+        data = batches(model.config.vocab_size, fsdp, devices)
         _REFERENCES[key] = (*train_reference(model, data, dtype), data)
     return _REFERENCES[key]
 
@@ -203,15 +240,15 @@ def with_params(model: MoEDecoder, params: dict) -> MoEDecoder:
 def received(name: str, history: list[dict], data: np.ndarray, ep: int, fsdp: int) -> np.ndarray:
     """(STEPS, MoE layers, groups, E): rows each expert received from its EP group (the devices of one
     (replica, fsdp) index), from the reference's routing at each step's parameters."""
-    c, model = MOE_CONFIGS[name], build(name)
+    c, model, devices = MOE_CONFIGS[name], build(name), data.shape[1] // ROWS
     counts = []
     for s in range(STEPS):
         m = with_params(model, history[s])
         per_device = [routed_forward(m, data[s, d * ROWS:(d + 1) * ROWS, :-1], None)[1]
-                      for d in range(DEVICES)]
+                      for d in range(devices)]
         n = np.array([[np.bincount(r.reshape(-1), minlength=c.n_experts) for r in layers]
-                      for layers in per_device])  # (DEVICES, layers, E), device d = (replica, ep, fsdp)
-        by_group = n.reshape(DEVICES // (ep * fsdp), ep, fsdp, *n.shape[1:]).sum(axis=1)  # (R, fsdp, L, E)
+                      for layers in per_device])  # (devices, layers, E), device d = (replica, ep, fsdp)
+        by_group = n.reshape(devices // (ep * fsdp), ep, fsdp, *n.shape[1:]).sum(axis=1)  # (R, fsdp, L, E)
         counts.append(by_group.transpose(2, 0, 1, 3).reshape(n.shape[1], -1, c.n_experts))
     return np.array(counts)
 
@@ -219,15 +256,11 @@ def received(name: str, history: list[dict], data: np.ndarray, ep: int, fsdp: in
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("ep,fsdp,replica", CASES)
 def test_five_adamw_steps_equal_single_device_training(name, ep, fsdp, replica):
-    want_losses, history, data = reference(name, fsdp)
+    want_losses, history, data = reference(name, fsdp, ep * fsdp * replica)
     losses, params, drops = train_ep(build(name), data, ep, fsdp, replica)
     assert all(int(v.sum()) == 0 for step in drops for v in step.values())  # no capacity limit: no drops
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
-    want = history[-1]
-    assert sorted(params) == sorted(want)
-    errors = {k: rel_err(params[k], want[k]) for k in want}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= RTOL, f"{worst}: relative error {errors[worst]:.3g} > {RTOL}"
+    base_losses, base_history = train_reference(build(name), data, gspmd=True)
+    assert_within_baseline(losses, params, (want_losses, history[-1]), (base_losses, base_history[-1]))
     rows = received(name, history, data, ep, fsdp)  # (steps, layers, groups, E)
     assert (rows == 0).any() and (rows > 0).any(), "no expert went empty: the forcing did not work"
     by_rank = rows.reshape(*rows.shape[:-1], ep, -1).sum(axis=-1)
@@ -260,8 +293,8 @@ def test_dropped_assignments_equal_a_numpy_count(name):
 def test_bf16_policy_within_the_policys_own_distance_from_fp32(name, ep, fsdp, replica):
     """bf16 gathers, compute and all-to-all, fp32 reduce and masters, against the policy reference (each
     device batch on its own bf16 copy, gradients summed in fp32) and fp32 training (see the module doc)."""
-    fp32_losses, fp32_history, data = reference(name, fsdp)
-    policy_losses, policy_history, _ = reference(name, fsdp, jnp.bfloat16)
+    fp32_losses, fp32_history, data = reference(name, fsdp, DEVICES)
+    policy_losses, policy_history, _ = reference(name, fsdp, DEVICES, jnp.bfloat16)
     policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
     losses, params, _ = train_ep(build(name), data, ep, fsdp, replica, mp_policy=policy)
     assert all(v.dtype == np.float32 for v in params.values())  # masters stay fp32

@@ -23,7 +23,7 @@ another order, passed on by Newton-Schulz at about their relative size; measured
 5.2e-6 mixtral-tiny with splits). 8-bit Adam 2e-3: that rounding can move a moment across a code's
 threshold, one code step of an element's step of lr = 1e-2 is ~2e-4 of a tensor's norm (measured 1.8e-4);
 a tile other than the single-device one moves every element of it. Losses 1e-5 (test_expert_parallel.py's
-fp32 bound; measured 8.6e-8).
+RTOL; measured 8.6e-8).
 """
 
 from __future__ import annotations
