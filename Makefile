@@ -21,13 +21,14 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The suite runs as two pytest processes, one per core: the in-process JAX tests and the rest (measured together on the quiet
-# 2-core machine: 20 and 15 minutes with the JAX `experiments.train` launches in the JAX half, so those, 2.4 minutes of
-# subprocesses, run with the rest, as does the notebook test, 45 s). The JAX half's output is printed after the other's.
+# The suite runs as two pytest processes, one per core: the in-process JAX tests and the rest (measured together on the
+# 2-core machine on a slow day: 20 and 19 minutes; the JAX `experiments.train` launches, 2.4 minutes of subprocesses, run
+# with the rest, as does the notebook test, 45 s). Each prints its slowest tests, for balancing. The JAX half's output
+# is printed after the other's.
 JAX_HALF := tests/jax_backend
 test: $(STAMP) lint
-	@$(PY) -m pytest -q $(JAX_HALF) > .pytest-jax.log 2>&1 & jax=$$!; \
-	$(PY) -m pytest -q $(addprefix --ignore=,$(JAX_HALF)); rest=$$?; \
+	@$(PY) -m pytest -q --durations=15 $(JAX_HALF) > .pytest-jax.log 2>&1 & jax=$$!; \
+	$(PY) -m pytest -q --durations=15 $(addprefix --ignore=,$(JAX_HALF)); rest=$$?; \
 	wait $$jax; status=$$?; echo "--- $(JAX_HALF)"; cat .pytest-jax.log; rm -f .pytest-jax.log; \
 	test $$rest -eq 0 -a $$status -eq 0
 
