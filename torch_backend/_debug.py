@@ -24,8 +24,8 @@ class DebugCounter:
     """Tallies of one recording window.
 
     Attributes:
-        calls: collectives issued, keyed by ``(kind, label)`` (a unit's name, or what else moved).
-        issued: the same ``(kind, label)`` pairs in the order they were issued.
+        issued: the collectives issued, as ``(kind, label)`` pairs (a unit's name, or what else moved) in
+            the order they were issued; ``calls`` counts them.
         bytes: bytes moved by collectives, keyed by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``).
         copy_bytes: bytes the runtime copied outside collectives (same dtype).
         cast_bytes: bytes the runtime wrote while changing dtype (mixed precision only).
@@ -33,12 +33,16 @@ class DebugCounter:
             that computation did not hide (on CUDA the host does not block, so there a lower bound).
     """
 
-    calls: Counter = field(default_factory=Counter)
     issued: list = field(default_factory=list)
     bytes: Counter = field(default_factory=Counter)
     copy_bytes: int = 0
     cast_bytes: int = 0
     wait_seconds: float = 0.0
+
+    @property
+    def calls(self) -> Counter:
+        """Collectives issued, counted by ``(kind, label)``."""
+        return Counter(self.issued)
 
     def per_label(self, kind: str) -> dict[str, int]:
         """Collectives of ``kind`` issued, per label (a unit's name, ``"clip_grad_norm_"``, ...)."""
@@ -58,7 +62,6 @@ def debug_counter() -> Iterator[DebugCounter]:
 
 def record_collective(kind: str, label: str, tensor: torch.Tensor) -> None:
     for c in _ACTIVE:
-        c.calls[(kind, label)] += 1
         c.issued.append((kind, label))
         c.bytes[kind] += tensor.numel() * tensor.element_size()
 
