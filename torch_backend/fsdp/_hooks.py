@@ -368,8 +368,9 @@ class RootContext:
 
     def agree(self, event: int, state: FSDPState) -> int:
         """Raise on every rank unless every rank is about to run the same ``event`` of ``state``'s unit
-        (``END``: the end of backward, on that unit's mesh); return how many units of that mesh, at the
-        head of the reduce order, have finished their backward on every rank (0 without checks).
+        (``END``: the end of backward, on that unit's mesh); for ``BACKWARD``, return how many units of that
+        mesh, at the head of the reduce order, have finished their backward on every rank (else, and without
+        checks, 0).
 
         Called before each unit's forward and backward and, per mesh, at the end of backward (the
         reduce-scatters are issued at these checks), so ranks whose data took them down different paths
@@ -380,7 +381,7 @@ class RootContext:
             return 0
         unit = state.unit
         code = event * len(self.states) + (0 if event == END else self.states.index(state))
-        queue = self._queue(unit)
+        queue = self._queue(unit) if event == BACKWARD else []  # only backward checks issue reduces
         ready = next((i for i, s in enumerate(queue) if not s._backward_done), len(queue))
         seen = torch.tensor([code, -code, -ready], dtype=torch.int64, device=unit.device)
         label = _EVENTS[event] if event == END else f"{_EVENTS[event]} of {unit.name}"
