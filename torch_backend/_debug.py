@@ -31,6 +31,8 @@ class DebugCounter:
         cast_bytes: bytes the runtime wrote while changing dtype (mixed precision only).
         wait_seconds: host seconds blocked finishing collectives (``Pending.wait``): the communication
             that computation did not hide (on CUDA the host does not block, so there a lower bound).
+        host_syncs: the runtime's reads of device values on the host (each drains the device's queue on
+            CUDA), by what they read: a small collective's result or a mask.
     """
 
     issued: list = field(default_factory=list)
@@ -38,6 +40,7 @@ class DebugCounter:
     copy_bytes: int = 0
     cast_bytes: int = 0
     wait_seconds: float = 0.0
+    host_syncs: Counter = field(default_factory=Counter)
 
     @property
     def calls(self) -> Counter:
@@ -64,6 +67,11 @@ def record_collective(kind: str, label: str, tensor: torch.Tensor) -> None:
     for c in _ACTIVE:
         c.issued.append((kind, label))
         c.bytes[kind] += tensor.numel() * tensor.element_size()
+
+
+def record_host_sync(label: str) -> None:
+    for c in _ACTIVE:
+        c.host_syncs[label] += 1
 
 
 def record_wait(seconds: float) -> None:

@@ -166,6 +166,7 @@ def _counter(mesh) -> dict:
             "all_gather": c.per_label("all_gather"), "reduce_scatter": c.per_label("reduce_scatter"),
             "all_reduce": c.per_label("all_reduce"), "copy_bytes": c.copy_bytes, "cast_bytes": c.cast_bytes,
             "bytes": dict(c.bytes), "units": [u.name for u in units(model)], "issued": c.issued,
+            "host_syncs": dict(c.host_syncs),
             "padded_numel": {u.name: u.layout.total_numel for u in units(model)},
         }
     return out

@@ -4,9 +4,8 @@ Routing sends each rank's rows to some experts and not others, a root parameter 
 rows only, an auxiliary head gets a gradient on some ranks only, a parameter is used twice on one rank
 and never on another, and some steps use a parameter on no rank at all (its ``.grad`` stays None, as
 single-process training leaves it). Training must equal single-process training on the whole batch: the
-collectives never depend on the data. Where it cannot (an expert sharded as its own unit and skipped on
-one rank: the others would gather it alone), every rank raises the same clear error, before the
-mismatched collective.
+collectives never depend on the data (fsdp/_schedule.py), not even where a unit sharded on its own
+(an expert) is skipped on some ranks or gets no gradient there.
 
 Bound: fp32, four AdamW steps. Sharded and single-process training differ only in the order gradients
 are summed (rows split over ranks, then averaged), a few fp32 roundings (6e-8 relative each) per
@@ -77,11 +76,9 @@ def test_huggingface_switch_transformers_trains_like_single_process(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize(("case", "names"), [("experts_as_units", "blocks.0.experts."),
-                                             ("aux_without_gradient", "'aux'")])
-def test_units_that_run_or_get_gradients_on_some_ranks_only_raise_on_every_rank(world, case, names):
-    errors = [result(world, case, r)["raised"] for r in range(world)]
-    assert all(e is not None for e in errors), errors
-    for e in errors:
-        assert "ranks disagree on what runs next" in e and "fully_shard the MoE layer" in e, e
-        assert names in e, e
+@pytest.mark.parametrize("case", ["experts_as_units", "aux_without_gradient"])
+def test_units_that_run_or_get_gradients_on_some_ranks_only_train_like_single_process(world, case):
+    """An expert sharded as its own unit and skipped on some ranks, or a unit with no gradient on some:
+    the schedule still gathers and reduce-scatters them on every rank (zeros where unused)."""
+    r = result(world, case)
+    assert r["loss"] <= FP32_RTOL and r["params"] <= FP32_RTOL, r

@@ -280,11 +280,12 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         if not isinstance(reshard_after_forward, bool | None):
             group, index = _post_forward_group(mesh, reshard_after_forward)
             unit.set_post_forward_group(group, index, reshard_after_forward)
-    state = FSDPState(tuple(modules), unit, reshard_after_forward, mp_policy)  # hooks and attaches to them
+    FSDPState(tuple(modules), unit, reshard_after_forward, mp_policy)  # hooks and attaches to them
     if unit is not None:
         owners = {id(owner): owner for _, owner, _, _ in _uses(modules, ignored)}.values()
-        state.renorms = [EmbeddingRenorm(m, unit.device) for m in owners
-                         if isinstance(m, nn.Embedding) and m.max_norm is not None]
+        for m in owners:
+            if isinstance(m, nn.Embedding) and m.max_norm is not None:
+                EmbeddingRenorm(m, unit)
     for sub in (s for m in modules for s in m.modules()):  # FSDP2's flags for dynamo: parameters are graph
         sub._is_fsdp_managed_module = sub._fsdp_use_orig_params = True  # inputs (swapped at each (un)shard)
     for m in modules:

@@ -6,26 +6,21 @@ gradient reaching them unshards the unit again before its backward and prefetche
 Gradients land in the unit's unsharded gradient buffer (set up by a hook on the unit's first
 gradient). A unit's backward is over when all its gradients landed or when its inputs' gradients are
 computed (FSDP2's post-backward trigger); it then reshards, and its reduce-scatter is issued once every
-unit after it in forward order has issued its own. The root (the outermost unit, found at the first
-forward) queues a callback at the end of backward that reduces the units left, finishes every reduce
-and reshards whatever is still unsharded.
+unit before it in the reduce order has issued its own. The root (the outermost unit, found at the first
+forward) queues a callback at the end of backward that reduces the units left, finishes every reduce,
+gives out the gradients and reshards whatever is still unsharded.
 
-Collectives never depend on the data. Every rank reduce-scatters every training unit that ran forward,
-in reverse forward order, whether or not its parameters were used on that rank (zeros where none
-were); one all-reduce at the end of backward tells every rank which parameters got a gradient on some
-rank (those get their ``.grad`` everywhere; one no rank used keeps None, as in single-process training).
-Which units run forward and get a gradient must not depend on the data: before each unit's forward and
-backward the ranks agree on it (``RootContext.agree``) and raise together, before the first mismatched
-collective, when their data took them down different paths. The reduce-scatters ride on the backward
-checks: each also takes the MIN over the unit's ranks of how many units of its mesh, at the head of the
-reduce order, have finished their backward, and every rank issues exactly that many there (a unit done
-on one rank first waits for the others); at the end of backward one check per mesh with units left
-precedes their reduce-scatters.
+Which collective comes next never depends on the data: the root's ``Schedule`` (fsdp/_schedule.py)
+decides it, and the hooks only say when a unit needs its parameters. A unit skipped on some ranks
+still takes part (its gather issued, its reduce-scatter of zeros), every rank reduce-scatters every
+training unit that ran forward, and one all-reduce at the end of backward tells every rank which
+parameters got a gradient on some rank (those get their ``.grad`` everywhere; one no rank used keeps
+None, as in single-process training) and checks every rank issued the same collectives. A step is
+every forward since the last backward ended, and that backward: several forwards may precede it.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,17 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_backend._collectives import all_reduce
+from torch_backend._debug import record_host_sync
 from torch_backend._torch_internals import pytree, queue_backward_callback
 from torch_backend.fsdp._api import MixedPrecisionPolicy
+from torch_backend.fsdp._schedule import MISMATCH, Schedule
 from torch_backend.fsdp._unit import Unit
-
-# The ranks agree on each unit event before it communicates: one 3-int all-reduce per unit and event (2
-# per unit and step, forward and backward, plus one per mesh at the end of backward; on CUDA each is a
-# host sync). A model whose units run and get gradients alike on every rank whatever the data may turn
-# the checks off.
-CHECK_EVENTS = os.environ.get("RAGGED_FSDP_CHECK_EVENTS", "1") != "0"
-FORWARD, BACKWARD, END = range(3)
-_EVENTS = ("forward", "backward", "end of backward")
 
 
 def _eager(fn: Callable) -> Callable:
@@ -79,13 +68,13 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.unshard_in_backward = True
         self.mp_policy = mp_policy
-        self.renorms: list[EmbeddingRenorm] = []  # the unit's nn.Embedding(max_norm=...) modules
         self.forward_prefetch = None
         self.backward_prefetch = None
         self.root = None
         self._modules_left = 0  # modules of the group whose forward has not finished this pass
         self._backward_started = False
         self._backward_done = False  # this backward is over for the unit (reduce issued or queued)
+        self.needs_backward = False  # a forward of this step had outputs that require a gradient
         self._inputs_pending = 0  # forwards whose inputs have not received their gradients yet
         if unit is not None:
             unit.post_backward_callback = self._maybe_post_backward
@@ -117,16 +106,14 @@ class FSDPState:
         if self._modules_left > 0:  # a later module of the same group: already unsharded
             return args, kwargs
         self._modules_left = len(self.modules)
-        if not self.root.in_backward:
-            self.root.ran_forward(self, torch.is_grad_enabled())
-        if self.unit is not None:
-            self.unit.unshard(after=self.root.take_post_optim_event())
-        targets = self.forward_prefetch
-        if targets is None:
-            targets = self.root.next_in(self.root.last_forward_order, self, +1)
-        for t in targets:
-            if t.unit is not None:
-                t.unit.unshard(async_op=True)
+        if self.unit is None:
+            return args, kwargs
+        schedule = self.root.schedule
+        if self.root.in_backward:  # a recomputation (activation checkpointing) inside backward
+            schedule.backward_gather(self, self.backward_prefetch)
+        else:
+            self.unit.wait_for(self.root.take_post_optim_event())
+            schedule.forward(self, self.forward_prefetch)
         return args, kwargs
 
     def _watch_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -162,18 +149,22 @@ class FSDPState:
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+            self.needs_backward = True
         self._modules_left -= 1
-        reshard = self.reshard_after_forward
-        if reshard is None:
-            reshard = not self.is_root  # the root's backward starts at once: keep it unsharded
-        if self._modules_left == 0:
-            for renorm in self.renorms:  # every rank: the unit's forward ran on every rank
-                renorm.sync(self.unit)
-        if self._modules_left == 0 and self.unit is not None and reshard:
-            self.unit.reshard(to_group=not isinstance(reshard, bool))  # an int: FSDP2's group size
+        if self._modules_left == 0 and not self.root.in_backward and self.unit is not None:
+            self.root.schedule.forward_done(self)
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
+
+    def stand_in(self) -> None:
+        """What the end of this unit's forward does to it (also for a forward this rank skipped, which
+        the schedule gathered for the ranks that ran it): reshard per ``reshard_after_forward``."""
+        reshard = self.reshard_after_forward
+        if reshard is None:
+            reshard = not self.is_root  # the root's backward starts at once: keep it unsharded
+        if self.unit is not None and reshard:
+            self.unit.reshard(to_group=not isinstance(reshard, bool))  # an int: FSDP2's group size
 
     # ----- backward --------------------------------------------------------------------------------
     def _pre_backward(self, _: Any) -> None:
@@ -185,17 +176,7 @@ class FSDPState:
         else:
             self.root.begin_backward()
         if self.unit is not None:
-            ready = self.root.agree(BACKWARD, self)
-            if not self.root.defer_reduces:
-                self.root.reduce_first(ready, self.unit)
-            if self.unshard_in_backward:
-                self.unit.unshard()
-        targets = self.backward_prefetch
-        if targets is None:
-            targets = self.root.next_in(self.root.forward_order, self, -1)
-        for t in targets:
-            if t.unit is not None and not t._backward_started and t.unshard_in_backward:
-                t.unit.unshard(async_op=True)
+            self.root.schedule.backward_gather(self, self.backward_prefetch)
 
     def post_backward(self) -> None:
         """This unit's backward is over on this rank: reshard, and reduce when its turn comes."""
@@ -204,13 +185,7 @@ class FSDPState:
         self._backward_done = True
         if self.unit.reshard_after_backward:
             self.unit.reshard()
-        if not CHECK_EVENTS:
-            self.root.reduce_ready()
-
-
-def _mesh_of(unit: Unit) -> tuple:
-    """The process groups a unit communicates over (its checks and reduce-scatter)."""
-    return unit.shard_group, unit.replicate_group
+        self.root.reduce_ready()
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -238,32 +213,33 @@ class EmbeddingRenorm:
     """``nn.Embedding(max_norm=...)`` in a unit renorms, in place, the rows used in any rank's forward.
 
     The module renorms the rows its own rows of the batch use, in the unsharded weight; single-process
-    training renorms every row the whole batch uses. A pre-hook records the rows used here; once the
-    unit's forward is done, one MAX all-reduce of the used-row mask (num_embeddings ints) tells every
-    rank which rows some rank used, and each renorms the ones it did not use itself, so every rank holds
-    the single-process weight and keeps its slice of it when resharding (a write the version counter
-    shows). Rows renormed here are not renormed twice (a second renorm would round differently).
+    training renorms every row the whole batch uses. A pre-hook, before the module's forward and so
+    before anything reads the weight (a tied head), MAX all-reduces the used-row mask (num_embeddings
+    ints) over the unit's ranks and renorms the rows other ranks use and this one does not; the module
+    then renorms its own. Every rank holds the single-process weight and keeps its slice of it when
+    resharding (a write the version counter shows); no row is renormed twice (that would round
+    differently). One small collective and one host read per call: the unit must run on every rank.
     """
 
-    def __init__(self, module: nn.Embedding, device: torch.device) -> None:
+    def __init__(self, module: nn.Embedding, unit: Unit) -> None:
         self.module = module
-        self.used = torch.zeros(module.num_embeddings, dtype=torch.int32, device=device)
-        module.register_forward_pre_hook(_eager(self._record))
-
-    def _record(self, module: nn.Embedding, args: tuple) -> None:
-        self.used[args[0].reshape(-1).to(self.used.device)] = 1
+        self.unit = unit
+        module.register_forward_pre_hook(_eager(self._sync))
 
     @torch.no_grad()
-    def sync(self, unit: Unit) -> None:
-        union = self.used.clone()
+    def _sync(self, module: nn.Embedding, args: tuple) -> None:
+        unit = self.unit
+        used = torch.zeros(module.num_embeddings, dtype=torch.int32, device=unit.device)
+        used[args[0].reshape(-1).to(unit.device)] = 1
+        union = used.clone()
         for group in (unit.shard_group, unit.replicate_group):
             if group is not None:
                 all_reduce(union, group, label=f"max_norm rows of {unit.name}", op=dist.ReduceOp.MAX).wait()
-        rows = ((union > 0) & (self.used == 0)).nonzero().squeeze(1)
-        m = self.module
+        record_host_sync(f"max_norm rows of {unit.name}")
+        rows = ((union > 0) & (used == 0)).nonzero().squeeze(1)
         if rows.numel():
-            torch.embedding_renorm_(m.weight, rows.to(m.weight.device), m.max_norm, m.norm_type)
-        self.used.zero_()
+            weight = module.weight
+            torch.embedding_renorm_(weight, rows.to(weight.device), module.max_norm, module.norm_type)
 
 
 class _InputsDone(torch.autograd.Function):
@@ -304,39 +280,41 @@ def _check_one_unit_per_parameter(tops: tuple[nn.Module, ...], states: list[FSDP
 
 
 class RootContext:
-    """Bookkeeping shared by every unit under the root: forward order, reduce order, CUDA streams."""
+    """Bookkeeping shared by every unit under the root: the schedule, the step, CUDA streams."""
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
         self.states = states_under(state.modules)
         _check_one_unit_per_parameter(state.modules, self.states)
-        self.forward_order: list[FSDPState] = []
-        self.last_forward_order: list[FSDPState] = []
+        self.schedule = Schedule(self.states)
+        self.step_open = False  # a forward ran since the last backward ended
         self.in_backward = False
         # A backward with create_graph=True ran this step (double backward): the step's backward then also
         # runs the graph it built, whose gradients may land after a unit's inputs are done, so every unit
         # stays unsharded and is reduced at the end of that backward, in the usual order.
         self.defer_reduces = False
         self.post_optim_event: torch.Event | None = None  # set_post_optim_event: the next gather waits on it
-        self._trained: list[FSDPState] = []  # units that ran forward with grad enabled, first call first
         self._to_reduce: list[FSDPState] = []  # this backward's reduce order, not yet issued
         self._reducing: list[Unit] = []
         self._reduced: list[Unit] = []
-        device = next((s.unit.device for s in self.states if s.unit is not None), None)
+        units = [s.unit for s in self.states if s.unit is not None]
+        device = units[0].device if units else None
         cuda = device is not None and device.type == "cuda"
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
+        # Reduce-scatters get a process group of their own per set of shard ranks: a rank issues each
+        # when its unit's backward is over, which may come before or after another rank's next
+        # all-gather; on separate groups the two orders never meet.
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for unit in units:
+            if unit.reduce_group is unit.shard_group:
+                ranks = tuple(dist.get_process_group_ranks(unit.shard_group))
+                if ranks not in groups:
+                    groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                unit.reduce_group = groups[ranks]
         for s in self.states:
             s.root = self
             if s.unit is not None:
                 s.unit.ag_stream, s.unit.rs_stream = streams
-
-    @staticmethod
-    def next_in(order: list[FSDPState], state: FSDPState, step: int) -> list[FSDPState]:
-        """The unit ``step`` places after ``state`` in ``order`` (empty at either end or if absent)."""
-        if state not in order:
-            return []
-        i = order.index(state) + step
-        return [order[i]] if 0 <= i < len(order) else []
 
     def take_post_optim_event(self) -> torch.Event | None:
         """The event ``set_post_optim_event`` gave, once (the step's first all-gather waits on it)."""
@@ -344,68 +322,13 @@ class RootContext:
         return event
 
     def begin_forward(self) -> None:
-        if self.in_backward:  # a forward (e.g. recomputation) inside backward keeps the order
+        """The root's forward starts: the first of a step begins the step (later ones join it)."""
+        if self.in_backward or self.step_open:
             return
-        self.end_step()
+        self.step_open = True
         for s in self.states:
             if s.unit is not None:
                 s.unit.release_unused_gradients()  # zero_grad(set_to_none=True) ran since the last step
-        if self.forward_order:
-            self.last_forward_order = self.forward_order
-        self.forward_order = []
-        self._trained = []
-        self.defer_reduces = False
-        for s in self.states:
-            s._inputs_pending = 0  # a forward whose backward never ran (e.g. evaluation with grads on)
-
-    def ran_forward(self, state: FSDPState, grad_enabled: bool) -> None:
-        """``state``'s forward starts (outside backward): check every rank runs it, record the order."""
-        if state.unit is not None:
-            self.agree(FORWARD, state)
-        self.forward_order.append(state)
-        if grad_enabled and state.unit is not None and state not in self._trained:
-            self._trained.append(state)
-
-    def agree(self, event: int, state: FSDPState) -> int:
-        """Raise on every rank unless every rank is about to run the same ``event`` of ``state``'s unit
-        (``END``: the end of backward, on that unit's mesh); for ``BACKWARD``, return how many units of that
-        mesh, at the head of the reduce order, have finished their backward on every rank (else, and without
-        checks, 0).
-
-        Called before each unit's forward and backward and, per mesh, at the end of backward (the
-        reduce-scatters are issued at these checks), so ranks whose data took them down different paths
-        stop together, before the first collective that would pair one unit's buffer with another's (a
-        silent mix, an abort or a hang).
-        """
-        if not CHECK_EVENTS:
-            return 0
-        unit = state.unit
-        code = event * len(self.states) + (0 if event == END else self.states.index(state))
-        queue = self._queue(unit) if event == BACKWARD else []  # only backward checks issue reduces
-        ready = next((i for i, s in enumerate(queue) if not s._backward_done), len(queue))
-        seen = torch.tensor([code, -code, -ready], dtype=torch.int64, device=unit.device)
-        label = _EVENTS[event] if event == END else f"{_EVENTS[event]} of {unit.name}"
-        for group in (unit.shard_group, unit.replicate_group):
-            if group is not None:
-                all_reduce(seen, group, label=f"{label} (check)", op=dist.ReduceOp.MAX).wait()
-        high, low, ready = (v * sign for v, sign in zip(seen.tolist(), (1, -1, -1)))
-        if high != low:
-            other = low if low != code else high
-            raise RuntimeError(
-                f"fully_shard: the ranks disagree on what runs next: this rank runs {self._event(code)}, "
-                f"another rank runs {self._event(other)}. Their data took them down different paths: a "
-                "unit runs forward, or gets a gradient in backward, on some ranks and not on others. "
-                "Inside a unit, modules and parameters may be used on some ranks only (their gradient is "
-                "zero there), but every rank must run the same units and backpropagate into each of them: "
-                "shard such modules together with their parent (fully_shard the MoE layer, not each "
-                "expert), and add a loss term on every rank (times zero where it does not apply)")
-        return ready
-
-    def _event(self, code: int) -> str:
-        event, index = divmod(code, len(self.states))
-        if event == END:
-            return "the end of backward"
-        return f"the {_EVENTS[event]} of unit {self.states[index].unit.name!r}"
 
     def begin_graph_backward(self) -> None:
         """A backward that builds a graph (``autograd.grad(..., create_graph=True)``) starts.
@@ -416,19 +339,20 @@ class RootContext:
         if not self.in_backward:
             self.in_backward = True
             self.defer_reduces = True
+            self.schedule.begin_backward()
             queue_backward_callback(self._end_graph_backward)
 
     def _end_graph_backward(self) -> None:
         self.in_backward = False
+        self.schedule.end_backward()
         for s in self.states:  # the step's backward runs every unit's pre-backward again
             s._backward_started = False
 
     def begin_backward(self) -> None:
         if not self.in_backward:
             self.in_backward = True
-            # Reverse forward order, first calls last: a unit called twice finishes its backward with
-            # its first call. Every rank issues the reduce-scatters in this order.
-            self._to_reduce = [s for s in reversed(self._trained) if s.unit.trains]
+            self.schedule.begin_backward()
+            self._to_reduce = self.schedule.reduce_order()
             self._reduced = []
             queue_backward_callback(self.end_backward)
 
@@ -441,23 +365,10 @@ class RootContext:
         while self._to_reduce and self._to_reduce[0]._backward_done:
             self._reduce(self._to_reduce.pop(0))
 
-    def _queue(self, unit: Unit) -> list[FSDPState]:
-        """The units left to reduce on ``unit``'s mesh, in reduce order."""
-        return [s for s in self._to_reduce if _mesh_of(s.unit) == _mesh_of(unit)]
-
-    def reduce_first(self, count: int, unit: Unit) -> None:
-        """Issue the reduce-scatters of the first ``count`` units left on ``unit``'s mesh (every rank of
-        it: ``count`` came from a backward check over that mesh).
-
-        Each mesh keeps the reduce order among its own units, so its ranks issue its collectives in one
-        order; a unit of another mesh never waits here for the ranks of this one.
-        """
-        for s in self._queue(unit)[:count]:
-            self._to_reduce.remove(s)
-            self._reduce(s)
-
     def _reduce(self, state: FSDPState) -> None:
         self.finish_reduces()
+        if state.unit.will_reduce:
+            self.schedule.reduced(state)
         if state.unit.reduce_gradients():
             self._reducing.append(state.unit)
             self._reduced.append(state.unit)
@@ -470,38 +381,56 @@ class RootContext:
 
     def end_backward(self) -> None:
         """The end-of-backward callback: reduce the units left in order, finish, give out the gradients."""
-        if CHECK_EVENTS:
-            meshes = {_mesh_of(s.unit): s for s in reversed(self._to_reduce)}  # each mesh's first unit
-            for first in sorted(meshes.values(), key=self.states.index):
-                self.agree(END, first)
+        self.schedule.end_backward()
         for s in self._to_reduce:  # their backward never ended here (no gradient reached them, ...)
             s._backward_done = True
             self._reduce(s)
         self._to_reduce = []
         self.finish_reduces()
-        self._give_gradients()
+        try:
+            self._give_gradients()
+        except RuntimeError:
+            self.reset()
+            raise
         self.end_step()
-        self.in_backward = self.defer_reduces = False
+        self.in_backward = self.defer_reduces = self.step_open = False
         for s in self.states:
-            s._backward_started = False
-            s._backward_done = False
+            s._backward_started = s._backward_done = s.needs_backward = False
             s._inputs_pending = 0
 
     def _give_gradients(self) -> None:
-        """One MAX all-reduce of the reduced units' landed masks (per mesh), then the ``.grad`` views."""
+        """One MAX all-reduce per mesh of the reduced units' landed masks and of the schedule's codes,
+        then the ``.grad`` views (or, where the ranks' collectives differed, the same error on all)."""
         by_groups: dict[tuple, list[Unit]] = {}
         for unit in self._reduced:
             by_groups.setdefault((unit.shard_group, unit.replicate_group), []).append(unit)
+        collectives, calls = self.schedule.codes()
+        same_calls = True
+        masks = []
         for (shard_group, replicate_group), units in by_groups.items():
-            used = torch.zeros(sum(len(u.refs) for u in units), dtype=torch.int32, device=units[0].device)
-            parts = used.split([len(u.refs) for u in units])  # each unit writes its view: no concatenation
-            for u, part in zip(units, parts):
+            sizes = [len(u.refs) for u in units]
+            seen = torch.zeros(sum(sizes) + 4, dtype=torch.int64, device=units[0].device)
+            for u, part in zip(units, seen.split(sizes + [4])):  # each unit writes its view: no concatenation
                 u.landed_mask(part)
+            seen[-4:] = torch.tensor([collectives, -collectives, calls, -calls])
             for group in (shard_group, replicate_group):
                 if group is not None:
-                    all_reduce(used, group, label="landed gradients", op=dist.ReduceOp.MAX).wait()
-            for u, part in zip(units, parts):
-                u.end_backward(part)
+                    all_reduce(seen, group, label="landed gradients", op=dist.ReduceOp.MAX).wait()
+            record_host_sync("landed gradients")
+            values = seen.tolist()  # the step's one read of the device per mesh
+            high, low, calls_high, calls_low = values[-4:]
+            if high != -low:
+                raise RuntimeError("fully_shard: at the end of backward, the ranks' collectives of this step "
+                                   f"differ; no gradient was given out. {MISMATCH}")
+            same_calls = same_calls and calls_high == -calls_low
+            masks.append((units, values[:-4], sizes))
+        if masks and same_calls:
+            self.schedule.learn()
+        for units, used, sizes in masks:
+            start = 0
+            for u, n in zip(units, sizes):
+                u.end_backward(used[start:start + n])
+                start += n
         for s in self.states:
             if s.unit is not None and s.unit not in self._reduced:
                 s.unit.end_backward(None)
@@ -514,6 +443,7 @@ class RootContext:
         for s in self.states:
             if s.unit is not None and s.unit.reshard_after_backward:
                 s.unit.reshard()
+        self.schedule.new_step()
 
     def reset(self) -> None:
         """``reset_iter_state``: after a forward or backward raised, forget the step and reshard.
@@ -525,6 +455,7 @@ class RootContext:
             if s.unit is not None:
                 s.unit.discard_step()
             s._modules_left = s._inputs_pending = 0
-            s._backward_started = s._backward_done = False
-        self._to_reduce, self._reducing, self._reduced, self._trained = [], [], [], []
-        self.in_backward = self.defer_reduces = False
+            s._backward_started = s._backward_done = s.needs_backward = False
+        self._to_reduce, self._reducing, self._reduced = [], [], []
+        self.in_backward = self.defer_reduces = self.step_open = False
+        self.schedule.new_step()

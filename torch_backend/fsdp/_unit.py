@@ -168,7 +168,9 @@ class Unit:
         self._reduced: set[int] | None = None  # those of them in the last reduce; None: not reduced yet
         self._reduced_in_backward = False  # this backward issued the unit's reduce-scatter
         self._version = -1  # the unsharded buffer's version once filled (to detect user writes)
+        self._gathered_from = -1  # the master shard's version the unsharded buffer was gathered from
         self._keep_version: preserve_version_counter | None = None
+        self._after: torch.Event | None = None  # wait_for's event
         self.post_backward_callback = None  # set by the hooks: called when all gradients landed
 
     def _sharded_spec(self, ref: ParamRef, tp: TensorParallel | None
@@ -286,15 +288,37 @@ class Unit:
         self.name = name
 
     # ----- unshard / reshard ----------------------------------------------------------------------
-    def unshard(self, async_op: bool = False, after: torch.Event | None = None) -> None:
+    @property
+    def needs_gather(self) -> bool:
+        """``unshard`` would issue an all-gather: not unsharded (or unsharded from weights an optimizer
+        step has since changed, e.g. an evaluation forward between backward and step) nor gathering."""
+        if self._pending_all_gather is not None:
+            return False
+        return self.state is not UnitState.UNSHARDED or version_of(self.master.shard) != self._gathered_from
+
+    @property
+    def gather_group(self) -> dist.ProcessGroup:
+        """The group ``unshard`` gathers over (``reshard_after_forward=N``'s group after forward)."""
+        return self.post_forward_group if self.state is UnitState.GROUPED else self.shard_group
+
+    def wait_for(self, event: torch.Event | None) -> None:
+        """The next all-gather waits for ``event`` (the post-optimizer event) instead of the stream."""
+        self._after = event if event is not None else self._after
+
+    def unshard(self, async_op: bool = False) -> None:
         """Issue the one all-gather that fills the unsharded buffer (waits unless ``async_op``).
 
-        On CUDA the all-gather stream first waits for the current stream, or only for ``after``.
+        On CUDA the all-gather stream first waits for the current stream, or only for the event given
+        to ``wait_for``.
         """
-        if self.state is UnitState.UNSHARDED or self._pending_all_gather is not None:
+        if not self.needs_gather:
             if not async_op:
                 self.wait_for_unshard()
             return
+        if self.state is UnitState.UNSHARDED:  # stale: the optimizer stepped since it was gathered
+            self._register(self.sharded)
+            self.state = UnitState.SHARDED
+        after, self._after = self._after, None
         with side_stream(self.ag_stream, after):
             self.compute.alloc_full()
             source, group = self.compute.shard, self.shard_group
@@ -318,6 +342,7 @@ class Unit:
             with self._keep_version:  # restores the version remembered at issue
                 pass
             self._version = self._written_version()
+            self._gathered_from = version_of(self.master.shard)
             self._grouped = None  # gathered from: no longer needed
         if self.state is not UnitState.UNSHARDED:
             for sharded, unsharded in zip(self.sharded, self.unsharded):
@@ -424,6 +449,11 @@ class Unit:
             if not self._waiting and self.post_backward_callback is not None:
                 self.post_backward_callback()
 
+    @property
+    def will_reduce(self) -> bool:
+        """``reduce_gradients`` would issue a reduce-scatter now."""
+        return self.requires_grad_sync and (self._grads_ready or self.trains)
+
     def reduce_gradients(self) -> bool:
         """Reduce-scatter this backward's gradients (issued, not waited). Returns True if it reduced.
 
@@ -477,7 +507,7 @@ class Unit:
         this rank since the previous reduce."""
         out[sorted(self._reduced or ())] = 1
 
-    def end_backward(self, used_anywhere: torch.Tensor | None) -> None:
+    def end_backward(self, used_anywhere: list[int] | None) -> None:
         """Give the sharded parameters their ``.grad`` views once the reduce is finished.
 
         ``used_anywhere`` (the landed masks, maxed over every rank of the mesh) says which parameters
@@ -488,7 +518,7 @@ class Unit:
         self._reduced_in_backward = False
         if used_anywhere is None:
             return
-        for p, g, used in zip(self.sharded, self._sharded_grads, used_anywhere.tolist()):
+        for p, g, used in zip(self.sharded, self._sharded_grads, used_anywhere):
             if p.grad is None and used:
                 p.grad = g
 
