@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
@@ -100,7 +99,7 @@ class FSDPModule(TorchFSDPModule):
         """Accepted for FSDP2 compatibility: marks whether the next backward is the last of a step.
 
         FSDP2 uses it to skip waiting for its reduce-scatters at the end of a non-last backward. Ours
-        always finishes them at the end of backward, because the agreement on which parameters got a
+        always finishes them at the end of backward, because the all-reduce of which parameters got a
         gradient (docs: data-dependent control flow) needs them; gradients are the same either way.
         """
         if not isinstance(is_last_backward, bool):
@@ -155,17 +154,12 @@ class FSDPModule(TorchFSDPModule):
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """Run the reduce-scatters on their own process group over the shard ranks (one per rank set),
-        so they can progress while all-gathers run. Collective: call it on every rank alike."""
-        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for unit in self._units(recurse):
-            if not enable:
-                unit.reduce_group = unit.shard_group
-                continue
-            ranks = tuple(dist.get_process_group_ranks(unit.shard_group))
-            if ranks not in groups:
-                groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            unit.reduce_group = groups[ranks]
+        """Accepted: the reduce-scatters always run on their own process group per set of shard ranks
+        (the root makes them at its first forward), which the schedule needs (fsdp/_schedule.py: a rank
+        issues each when its unit's backward is over, which another rank's all-gathers must not meet);
+        ``False`` cannot put them back on the all-gathers' group."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_separate_reduce_scatter_group: expected a bool, got {enable!r}")
 
     # ----- resharding -------------------------------------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
