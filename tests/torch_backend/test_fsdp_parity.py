@@ -128,6 +128,10 @@ def test_checkpoint_saved_at_4_ranks_resumes_at_2(run, reference):
 
 @pytest.mark.parametrize("reshard", [False, True])
 def test_debug_counter_one_all_gather_and_one_reduce_scatter_per_unit(run, reshard):
+    """One steady-state step of llama-tiny (6 units, 4 ranks), counted: one all-gather (two with
+    resharding) and one reduce-scatter per unit, no byte copied, and no blocking collective or host read
+    per unit; per step, one blocking all-reduce (the landed-gradient masks with the schedule's
+    fingerprints, one mesh) and one host read of its result, beside the caller's clip."""
     c = result(run(4), "counter")[f"reshard={reshard}"]
     units = c["units"]
     assert units == ["tok_embeddings", *[f"layers.{i}" for i in range(4)], "output"]

@@ -112,7 +112,6 @@ class FSDPState:
         if self.root.in_backward:  # a recomputation (activation checkpointing) inside backward
             schedule.backward_gather(self, self.backward_prefetch)
         else:
-            self.unit.wait_for(self.root.take_post_optim_event())
             schedule.forward(self, self.forward_prefetch)
         return args, kwargs
 
@@ -293,7 +292,6 @@ class RootContext:
         # runs the graph it built, whose gradients may land after a unit's inputs are done, so every unit
         # stays unsharded and is reduced at the end of that backward, in the usual order.
         self.defer_reduces = False
-        self.post_optim_event: torch.Event | None = None  # set_post_optim_event: the next gather waits on it
         self._to_reduce: list[FSDPState] = []  # this backward's reduce order, not yet issued
         self._reducing: list[Unit] = []
         self._reduced: list[Unit] = []
@@ -316,14 +314,13 @@ class RootContext:
             if s.unit is not None:
                 s.unit.ag_stream, s.unit.rs_stream = streams
 
-    def take_post_optim_event(self) -> torch.Event | None:
-        """The event ``set_post_optim_event`` gave, once (the step's first all-gather waits on it)."""
-        event, self.post_optim_event = self.post_optim_event, None
-        return event
-
     def begin_forward(self) -> None:
-        """The root's forward starts: the first of a step begins the step (later ones join it)."""
-        if self.in_backward or self.step_open:
+        """The root's forward starts: the first of a step begins the step; a later one joins it and
+        starts the schedule's next pass (on every rank alike, whichever units the last one called)."""
+        if self.in_backward:
+            return
+        if self.step_open:
+            self.schedule.end_forward()
             return
         self.step_open = True
         for s in self.states:
@@ -366,7 +363,16 @@ class RootContext:
             self._reduce(self._to_reduce.pop(0))
 
     def _reduce(self, state: FSDPState) -> None:
-        self.finish_reduces()
+        # The reduce before this one is done before it is issued (its unsharded gradients freed: one
+        # in flight); HSDP's all-reduce of that one is finished a unit later, hidden behind backward.
+        reducing = []
+        for unit in self._reducing:
+            if unit.reduce_scattered:
+                unit.finish_reduce()
+            else:
+                unit.advance_reduce()
+                reducing.append(unit)
+        self._reducing = reducing
         if state.unit.will_reduce:
             self.schedule.reduced(state)
         if state.unit.reduce_gradients():
@@ -387,6 +393,10 @@ class RootContext:
             self._reduce(s)
         self._to_reduce = []
         self.finish_reduces()
+        offloaded = next((u.device for u in self._reduced if u.offload and u.device.type != "cpu"), None)
+        if offloaded is not None:  # the asynchronous copies of the gradients to pinned host memory
+            torch.get_device_module(offloaded).current_stream(offloaded).synchronize()
+            record_host_sync("offloaded gradients")
         try:
             self._give_gradients()
         except RuntimeError:

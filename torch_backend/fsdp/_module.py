@@ -126,7 +126,8 @@ class FSDPModule(TorchFSDPModule):
                             stream: torch.cuda.Stream | None = None) -> None:
         """Call ``hook(reduced_shard)`` after the reduce-scatter (HSDP: after the all-reduce), in place.
 
-        The tensor is the unit's whole local gradient shard, already divided, in ``reduce_dtype``.
+        The tensor is the unit's whole local gradient shard, already divided, in ``reduce_dtype``. With
+        ``stream`` (CUDA) the hook runs there, after the reduce, and the current stream waits for it.
 
         Raises:
             ValueError: ``stream`` with HSDP (FSDP2's rule: the hook runs on the all-reduce's stream).
@@ -134,7 +135,7 @@ class FSDPModule(TorchFSDPModule):
         for unit in self._units(recurse=False):
             if stream is not None and unit.replicate_group is not None:
                 raise ValueError("stream cannot be set when using native HSDP")
-            unit.all_reduce_hook = hook
+            unit.all_reduce_hook, unit.all_reduce_hook_stream = hook, stream
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
@@ -200,7 +201,7 @@ class FSDPModule(TorchFSDPModule):
         if not state.is_root:
             raise RuntimeError("set_post_optim_event: call it on the root FSDP module after its first "
                                "forward (the root orders the step's first all-gather)")
-        state.root.post_optim_event = event
+        state.root.schedule.post_optim_event = event
 
     # ----- communication buffers: refused, with the reason ------------------------------------------
     def set_custom_all_gather(self, comm: Any) -> None:

@@ -8,8 +8,9 @@ or gives it no gradient in backward), so the gathers follow a schedule, not the 
   ran alike; registration order before). A unit's forward gathers every entry from the cursor up to
   its own; entries passed over are gathered ahead (prefetch works the same way) and, if their forward
   never comes in this pass, stood in for: resharded as their forward would have, counted as trained.
-  A unit called again after its entry starts the next pass; the pass in progress is completed when
-  backward starts.
+  Each forward of the root, and a unit called again after other units ran, starts the next pass (a
+  unit called again at once is still unsharded: it reshards at the next unit's forward); the pass in
+  progress is completed when backward starts.
 - backward: one pass over the units trained this step in reverse (first calls last). A unit's backward
   (or a recomputation in it) gathers every entry from the cursor up to its own; the entries left are
   gathered at the end of backward.
@@ -51,6 +52,7 @@ class Schedule:
     def __init__(self, states: Sequence[FSDPState]) -> None:
         self.states = [s for s in states if s.unit is not None]
         self.order: list[FSDPState] = list(self.states)  # one forward pass
+        self.post_optim_event: torch.Event | None = None  # set_post_optim_event: the next gather waits on it
         self.new_step()
 
     def new_step(self) -> None:
@@ -61,6 +63,7 @@ class Schedule:
         self.observed: list[int] = []  # this rank's forward calls, to learn the order from
         self.backward: list[FSDPState] = []  # this step's backward gathers and reduce-scatters, in order
         self.bpos = 0
+        self.met: set[FSDPState] = set()
         self.fingerprints = {_GATHER: 0, _REDUCE: 0}  # what this rank gathered, and reduced, in order
 
     # ----- forward ---------------------------------------------------------------------------------
@@ -125,9 +128,13 @@ class Schedule:
 
     def _gather(self, state: FSDPState, async_op: bool = False) -> None:
         unit = state.unit
+        after = None
         if unit.needs_gather:
-            self._record(_GATHER, state, unit.gather_group, f"all-gather of {unit.name!r}")
-        unit.unshard(async_op=async_op)
+            self._record(_GATHER, state)
+            # The first all-gather after the optimizer step waits for its event only (the all-gather
+            # stream runs in order, so every later one waits for it too).
+            after, self.post_optim_event = self.post_optim_event, None
+        unit.unshard(async_op=async_op, after=after)
 
     # ----- backward --------------------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -135,28 +142,42 @@ class Schedule:
         self.end_forward()
         self.backward = list(reversed(self.trained))
         self.bpos = 0
+        self.met: set[FSDPState] = set()  # backward entries met by the cursor or by their own backward
 
     def backward_gather(self, state: FSDPState, targets: list[FSDPState] | None) -> None:
         """``state`` needs its parameters in backward: gather the backward schedule up to it, then
-        prefetch ``targets`` (None: the next entry) the same way."""
-        j = next((i for i in range(self.bpos, len(self.backward)) if self.backward[i] is state), None)
-        if j is not None:
-            self._gather_backward(j + 1)
-        elif state.unshard_in_backward and state.unit.needs_gather:  # not trained this step
-            self._gather(state)
+        prefetch ``targets`` (None: the next entry) the same way.
+
+        Each entry is met once, by the cursor or by its own backward, whichever comes first, and
+        gathered then if it is sharded: what it is then is what it was when backward started (a unit
+        reshards only once its own backward is over), the same on every rank. One kept unsharded (the
+        root, whose backward often comes first) takes nothing and moves no cursor.
+        """
+        if state not in self.met:
+            j = next((i for i in range(self.bpos, len(self.backward)) if self.backward[i] is state), None)
+            if j is not None and state.unshard_in_backward and state.unit.needs_gather:
+                self._gather_backward(j + 1)
+            elif state.unshard_in_backward and state.unit.needs_gather:  # not trained this step
+                self._gather(state)
+            self.met.add(state)
         if state.unshard_in_backward:
             state.unit.unshard()
-        for t in targets if targets is not None else self.backward[self.bpos:self.bpos + 1]:
+        for t in targets if targets is not None else self._unmet(1):
             j = next((i for i in range(self.bpos, len(self.backward)) if self.backward[i] is t), None)
             if j is not None:
                 self._gather_backward(j + 1)
+
+    def _unmet(self, n: int) -> list[FSDPState]:
+        """The next ``n`` backward entries not met yet (the default prefetch)."""
+        return [s for s in self.backward[self.bpos:] if s not in self.met][:n]
 
     def _gather_backward(self, stop: int) -> None:
         for s in self.backward[self.bpos:stop]:
             # Frozen units only where a gradient flows through them (on every rank, but for a frozen
             # unit some ranks skip and others do not: that would show at the end of the step).
-            if s.unshard_in_backward and (s.unit.trains or s.needs_backward):
+            if s not in self.met and s.unshard_in_backward and (s.unit.trains or s.needs_backward):
                 self._gather(s, async_op=True)
+            self.met.add(s)
         self.bpos = max(self.bpos, stop)
 
     def reduce_order(self) -> list[FSDPState]:
@@ -164,20 +185,23 @@ class Schedule:
 
     def reduced(self, state: FSDPState) -> None:
         """``state``'s reduce-scatter is issued next."""
-        self._record(_REDUCE, state, state.unit.reduce_group, f"reduce-scatter of {state.unit.name!r}")
+        self._record(_REDUCE, state)
 
     def end_backward(self) -> None:
         """Gather the backward entries no gradient reached here (another rank's may have)."""
         self._gather_backward(len(self.backward))
 
     # ----- checks ----------------------------------------------------------------------------------
-    def _record(self, kind: int, state: FSDPState, group: dist.ProcessGroup, what: str) -> None:
+    def _record(self, kind: int, state: FSDPState) -> None:
         """Fold the collective about to be issued into the fingerprint of its kind (gathers and
         reduce-scatters apart: when one is issued relative to the other depends on each rank's timing,
-        not on the schedule); in debug mode, first check every rank of ``group`` is at the same one."""
+        not on the schedule); in debug mode, first check every rank of its group is at the same one."""
         code = (self.fingerprints[kind] * 1_000_003 + self.states.index(state) + 1) % _MOD
         if CHECK_EVENTS:
-            _check(group, code, what, state.unit.device)
+            unit = state.unit
+            group, what = ((unit.gather_group, "all-gather") if kind == _GATHER
+                           else (unit.reduce_group, "reduce-scatter"))
+            _check(group, code, f"{what} of {unit.name!r}", unit.device)
         self.fingerprints[kind] = code
 
     def codes(self) -> tuple[int, int]:

@@ -113,6 +113,7 @@ class Unit:
     reshard_after_backward: bool  # False: stay unsharded after backward (the next forward gathers nothing)
     gradient_divide_factor: float | None  # the reduced sum is divided by it (None: the mesh size)
     all_reduce_hook: Callable[[torch.Tensor], None] | None  # called on the reduced shard (FSDP2's hook)
+    all_reduce_hook_stream: torch.cuda.Stream | None  # where the hook runs (None: the current stream)
     reduce_group: dist.ProcessGroup  # the reduce-scatter's group: the shard group or a copy of it
     ag_stream: torch.cuda.Stream | None  # set by the root on CUDA
     rs_stream: torch.cuda.Stream | None
@@ -135,7 +136,7 @@ class Unit:
         self._pin = pin_memory and offload and self.device.type != "cpu"
         self.original_uids = tuple(_uid(p) for p in params)  # per ref: FSDP2 allows one unit per parameter
         self.requires_grad_sync = self.requires_all_reduce = self.reshard_after_backward = True
-        self.gradient_divide_factor = self.all_reduce_hook = None
+        self.gradient_divide_factor = self.all_reduce_hook = self.all_reduce_hook_stream = None
         self.reduce_group = self.shard_group
         self.post_forward_group: dist.ProcessGroup | None = None  # reshard_after_forward=N's group
         self._group_index = self._group_size = 0
@@ -159,6 +160,7 @@ class Unit:
 
         self._pending_all_gather: Pending | None = None
         self._pending_reduce: Pending | None = None
+        self._pending_all_reduce: Pending | None = None  # HSDP's, issued once the reduce-scatter is done
         self._reduce_out: torch.Tensor | None = None
         self._accumulate_into_grads = False
         self._grads_ready = False  # unsharded .grad views are set for this backward
@@ -170,7 +172,6 @@ class Unit:
         self._version = -1  # the unsharded buffer's version once filled (to detect user writes)
         self._gathered_from = -1  # the master shard's version the unsharded buffer was gathered from
         self._keep_version: preserve_version_counter | None = None
-        self._after: torch.Event | None = None  # wait_for's event
         self.post_backward_callback = None  # set by the hooks: called when all gradients landed
 
     def _sharded_spec(self, ref: ParamRef, tp: TensorParallel | None
@@ -301,15 +302,10 @@ class Unit:
         """The group ``unshard`` gathers over (``reshard_after_forward=N``'s group after forward)."""
         return self.post_forward_group if self.state is UnitState.GROUPED else self.shard_group
 
-    def wait_for(self, event: torch.Event | None) -> None:
-        """The next all-gather waits for ``event`` (the post-optimizer event) instead of the stream."""
-        self._after = event if event is not None else self._after
-
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False, after: torch.Event | None = None) -> None:
         """Issue the one all-gather that fills the unsharded buffer (waits unless ``async_op``).
 
-        On CUDA the all-gather stream first waits for the current stream, or only for the event given
-        to ``wait_for``.
+        On CUDA the all-gather stream first waits for the current stream, or only for ``after``.
         """
         if not self.needs_gather:
             if not async_op:
@@ -318,7 +314,6 @@ class Unit:
         if self.state is UnitState.UNSHARDED:  # stale: the optimizer stepped since it was gathered
             self._register(self.sharded)
             self.state = UnitState.SHARDED
-        after, self._after = self._after, None
         with side_stream(self.ag_stream, after):
             self.compute.alloc_full()
             source, group = self.compute.shard, self.shard_group
@@ -530,7 +525,7 @@ class Unit:
     def discard_step(self) -> None:
         """Forget an aborted step: wait for issued collectives (dropping their errors), drop this step's
         unsharded gradients and partial sums, and reshard."""
-        for name in ("_pending_all_gather", "_pending_reduce"):
+        for name in ("_pending_all_gather", "_pending_reduce", "_pending_all_reduce"):
             pending = getattr(self, name)
             setattr(self, name, None)
             if pending is not None:
@@ -547,37 +542,69 @@ class Unit:
         self.reduce.free_full()
         self.reshard()
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter (and the HSDP all-reduce) and set the sharded ``.grad`` views."""
+    @property
+    def reduce_scattered(self) -> bool:
+        """The reduce-scatter is done (``advance_reduce`` ran): what is left is HSDP's all-reduce."""
+        return self._pending_reduce is None
+
+    def advance_reduce(self) -> None:
+        """Wait for the reduce-scatter and free the unsharded gradients; HSDP then issues the all-reduce
+        over the replicas on the reduce-scatter stream, finished by ``finish_reduce`` a unit later, so
+        it runs while the next unit's backward computes."""
         if self._pending_reduce is None:
             return
         pending, self._pending_reduce = self._pending_reduce, None
         pending.wait()
+        self.grads.free_full()
+        self.reduce.free_full()
         out = self._reduce_out
-        self._reduce_out = None
         if not self._all_reduces:  # FSDP2's partial reduce: summed here, all-reduced by a later backward
             self._partial = out if self._partial is None else self._partial.add_(out)
-            self.grads.free_full()
-            self.reduce.free_full()
+            self._reduce_out = None
             return
         if self._partial is not None:
             out.add_(self._partial)
             self._partial = None
         if self.replicate_group is not None:
-            all_reduce(out, self.replicate_group, label=self.name).wait()
+            with side_stream(self.rs_stream):
+                self._pending_all_reduce = all_reduce(out, self.replicate_group, label=self.name)
+
+    def finish_reduce(self) -> None:
+        """Finish the reduce (the reduce-scatter, HSDP's all-reduce), divide, run the hook, and write the
+        sharded gradients (on the host when offloading: asynchronously from pinned memory)."""
+        self.advance_reduce()
+        out, self._reduce_out = self._reduce_out, None
+        if out is None:
+            return
+        if self._pending_all_reduce is not None:
+            pending, self._pending_all_reduce = self._pending_all_reduce, None
+            pending.wait()
         out.div_(self.world if self.gradient_divide_factor is None else self.gradient_divide_factor)
         if self.all_reduce_hook is not None:
-            self.all_reduce_hook(out)
-        if self.offload:
-            record_copy(self.main_grad.shard, out)
-            out = out.to(self.main_grad.shard.device)  # device to host (nothing moves on a CPU mesh)
-        if out is not self.main_grad.shard:
-            if self._accumulate_into_grads:
-                for ref, p in zip(self.refs, self.sharded):
-                    if p.grad is None:
-                        self.main_grad.shard_view(ref.name).zero_()
-                self.main_grad.add_(out)
-            else:
-                self.main_grad.copy_(out)  # a cast: reduced in another dtype than the master's
-        self.grads.free_full()
-        self.reduce.free_full()
+            _on_stream(self.all_reduce_hook_stream, self.all_reduce_hook, out)
+        if out is self.main_grad.shard:
+            return
+        if self._accumulate_into_grads:
+            if self.offload:
+                record_copy(self.main_grad.shard, out)
+                out = out.to(self.main_grad.shard.device)  # device to host, then added there
+            for ref, p in zip(self.refs, self.sharded):
+                if p.grad is None:
+                    self.main_grad.shard_view(ref.name).zero_()
+            self.main_grad.add_(out)
+        else:  # offloaded (into pinned memory the copy is asynchronous: the root syncs once) or a cast
+            self.main_grad.copy_(out, non_blocking=self._pin)
+
+
+def _on_stream(stream: torch.cuda.Stream | None, hook: Callable[[torch.Tensor], None],
+               tensor: torch.Tensor) -> None:
+    """``hook(tensor)`` on ``stream`` (after the current stream's work; the current stream then waits
+    for it, so ``tensor`` is not freed or read before the hook is done), or as is without one."""
+    if stream is None:
+        hook(tensor)
+        return
+    current = torch.cuda.current_stream(tensor.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        hook(tensor)
+    current.wait_stream(stream)
