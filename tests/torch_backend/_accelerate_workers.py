@@ -161,31 +161,28 @@ def reference_loop(model: torch.nn.Module, rows: slice = slice(None)) -> dict:
 
 
 def loads_rank0_weights(name: str) -> dict:
-    """accelerate's ``cpu_ram_efficient_loading`` path (``fsdp2_load_full_state_dict``; accelerate allows
-    the option on accelerator devices only, so it is called here as accelerate calls it): the sharded
-    model, here built from another seed, gets rank 0's full weights by ``load_state_dict(assign=True)``,
-    then trains the reference's steps; ours and FSDP2 against the reference."""
+    """accelerate's ``cpu_ram_efficient_loading``: ``fsdp2_prepare_model`` moves every rank's model to the
+    meta device, shards it there and gives it rank 0's weights by ``load_state_dict(assign=True)``
+    (``fsdp2_load_full_state_dict``); then the reference's steps. The other ranks' models are built from
+    another seed, so only rank 0's weights can give the reference's result. accelerate refuses the option
+    on CPU when the plugin is made, so it is set on the plugin afterwards; ours and FSDP2."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import fsdp2_load_full_state_dict
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from accelerate.utils import fsdp2_prepare_model
 
-    from torch_backend import fully_shard
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    accelerator = Accelerator(cpu=True)
     ref = reference(name)
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = slice(rank * U.B // world, (rank + 1) * U.B // world)
     out = {}
-    for which, shard in (("ours", fully_shard), ("fsdp2", torch_fully_shard)):
-        model = build(name, seed=1)
-        for layer in U._layers(model):
-            shard(layer)
-        shard(model)
-        fsdp2_load_full_state_dict(accelerator, model, build(name).state_dict() if rank == 0 else {})
+    for which in ("ours", "fsdp2"):
+        _fsdp_on_cpu({"fsdp_version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                      "transformer_cls_names_to_wrap": MODELS[name][1]})
+        accelerator = Accelerator(cpu=True)  # finds the state just made
+        accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = True
+        with use_in_accelerate() if which == "ours" else contextlib.nullcontext():
+            model = fsdp2_prepare_model(accelerator, build(name, seed=0 if rank == 0 else 1))
         run = reference_loop(model, rows)
-        out[which] = U.rel_errors(run["params"], ref["params"])
+        out[which] = {"params": U.rel_errors(run["params"], ref["params"]),
+                      "ragged": any(isinstance(p.placements[0], RaggedShard) for p in model.parameters())}
     return out
 
 

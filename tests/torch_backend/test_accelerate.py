@@ -76,9 +76,10 @@ def test_trainer_resumes_from_its_sharded_checkpoint(model):
     assert within_baseline(resumed["params"], r["fsdp2"]["params"]), r
 
 
-def test_rank0_weights_loaded_with_assign_reach_the_sharded_model():
-    """accelerate's ``cpu_ram_efficient_loading`` gives the sharded model rank 0's weights with
-    ``load_state_dict(assign=True)``; ours trained on its old weights before the load hook (error 1.26)."""
+def test_cpu_ram_efficient_loading_gives_every_rank_rank0s_weights():
+    """accelerate's ``cpu_ram_efficient_loading`` shards on the meta device and loads rank 0's weights
+    with ``load_state_dict(assign=True)``; without the load hook ours ended 1.0 away (relative error)."""
     r = case_results(run(), "llama_rank0_weights")[0]
-    assert r["fsdp2"] < SOUND_CASE, r
-    assert within_baseline(r["ours"], r["fsdp2"]), r
+    assert r["ours"]["ragged"] and not r["fsdp2"]["ragged"], r
+    assert r["fsdp2"]["params"] < SOUND_CASE, r
+    assert within_baseline(r["ours"]["params"], r["fsdp2"]["params"]), r
