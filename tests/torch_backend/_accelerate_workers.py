@@ -5,8 +5,9 @@ accelerate's ``fsdp2_prepare_model`` shards each decoder layer, the embedding, t
 then the root, with PyTorch FSDP2's ``fully_shard`` or, inside ``use_in_accelerate()``, with ours. A
 single-process loop with the Trainer's optimizer (AdamW, constant learning rate, gradients clipped to
 norm 1) on the whole batches is the reference. Each run saves a checkpoint (DCP, accelerate's
-``SHARDED_STATE_DICT``) halfway; a model built from another seed resumes from it (ours from ours, and ours
-from FSDP2's) and must end where the unbroken run ended.
+``SHARDED_STATE_DICT``) halfway; ours built from another seed resumes from ours' and must end where the
+unbroken run ended. Last, accelerate's ``cpu_ram_efficient_loading`` preparation (rank 0's weights into
+the model sharded on the meta device), ours and FSDP2, against the reference.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tests.torch_backend import _user_model_workers as U
-from tests.torch_backend._dist import run_cases
+from tests.torch_backend._dist import run_cases, shared_dir
 from torch_backend import RaggedShard
 from torch_backend.integrations import use_in_accelerate
 
@@ -47,20 +48,26 @@ class Batches(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def reference(name: str) -> dict:
-    """Single-process training with the Trainer's optimizer on the whole batches."""
-    model = build(name)
+def adamw_steps(model: torch.nn.Module, rows: slice = slice(None)) -> dict:
+    """The Trainer's optimizer (AdamW, constant learning rate, gradients clipped to norm 1) for ``STEPS``
+    steps on ``rows`` of each batch; returns each step's loss and gradient norm and the final parameters."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, norms = [], []
     for step in range(STEPS):
-        tokens = U.batch(step)
+        tokens = U.batch(step)[rows]
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
     return {"losses": losses, "norms": norms, "params": U.full_params(model)}
+
+
+def reference(name: str) -> dict:
+    """Single-process training with the Trainer's optimizer on the whole batches."""
+    return adamw_steps(build(name))
 
 
 def _fsdp_on_cpu(plugin_args: dict) -> None:
@@ -80,12 +87,6 @@ def _fsdp_on_cpu(plugin_args: dict) -> None:
     state = Accelerator(cpu=True).state
     state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)
     state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-
-
-def _shared_dir() -> str:
-    path = [tempfile.mkdtemp(prefix="trainer_ckpt_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
 
 
 def trainer_run(which: str, name: str, output_dir: str, *, seed: int = 0, resume: str | None = None) -> dict:
@@ -108,7 +109,11 @@ def trainer_run(which: str, name: str, output_dir: str, *, seed: int = 0, resume
     logs = [log for log in trainer.state.log_history if "loss" in log]
     return {"steps": [log["step"] for log in logs], "losses": [log["loss"] for log in logs],
             "norms": [float(log["grad_norm"]) for log in logs], "params": U.full_params(trainer.model),
-            "ragged": any(isinstance(p.placements[0], RaggedShard) for p in trainer.model.parameters())}
+            "ragged": _sharded_by_ours(trainer.model)}
+
+
+def _sharded_by_ours(model: torch.nn.Module) -> bool:
+    return any(isinstance(p.placements[0], RaggedShard) for p in model.parameters())
 
 
 def _worst(got: list[float], want: list[float]) -> float:
@@ -129,7 +134,7 @@ def trains_and_resumes(name: str) -> dict:
     """Ours and FSDP2 against the reference and each other; ours from another seed resumed at
     ``SAVE_AT`` from ours' checkpoint against the unbroken run."""
     ref = reference(name)
-    out, runs, path = {}, {}, _shared_dir()
+    out, runs, path = {}, {}, shared_dir()
     for which in ("ours", "fsdp2"):
         runs[which] = trainer_run(which, name, os.path.join(path, which))
         out[which] = _errors(runs[which], ref)
@@ -143,21 +148,6 @@ def trains_and_resumes(name: str) -> dict:
     if dist.get_rank() == 0:
         shutil.rmtree(path)
     return out
-
-
-def reference_loop(model: torch.nn.Module, rows: slice = slice(None)) -> dict:
-    """The reference's steps on ``rows`` of each batch (a sharded model: the mean over ranks)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
-    for step in range(STEPS):
-        tokens = U.batch(step)[rows]
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return {"losses": losses, "params": U.full_params(model)}
 
 
 def loads_rank0_weights(name: str) -> dict:
@@ -180,9 +170,9 @@ def loads_rank0_weights(name: str) -> dict:
         accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = True
         with use_in_accelerate() if which == "ours" else contextlib.nullcontext():
             model = fsdp2_prepare_model(accelerator, build(name, seed=0 if rank == 0 else 1))
-        run = reference_loop(model, rows)
+        run = adamw_steps(model, rows)
         out[which] = {"params": U.rel_errors(run["params"], ref["params"]),
-                      "ragged": any(isinstance(p.placements[0], RaggedShard) for p in model.parameters())}
+                      "ragged": _sharded_by_ours(model)}
     return out
 
 
@@ -192,5 +182,4 @@ def checks(rank: int, world: int) -> dict:
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", HF_HUB_OFFLINE="1")
     cases = {name: lambda name=name: trains_and_resumes(name) for name in MODELS}
     cases["llama_rank0_weights"] = lambda: loads_rank0_weights("llama")
-    only = os.environ.get("ONLY")
-    return run_cases({k: v for k, v in cases.items() if only is None or k in only.split(",")})
+    return run_cases(cases)

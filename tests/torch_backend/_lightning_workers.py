@@ -10,9 +10,9 @@ bounds.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ragged.models import LlamaConfig
-from tests.torch_backend._dist import run_cases
+from tests.torch_backend._dist import run_cases, shared_dir
 from tests.torch_backend._user_model_workers import full_params, rel_errors
 from torch_backend.models import Llama, cross_entropy
 from torch_backend.models.tensor_parallel import apply_tensor_parallel
@@ -44,13 +44,16 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def reference() -> dict:
-    """Single-process AdamW on the whole batches: each step's loss and the parameters after each step."""
+def reference(epoch_steps: int = STEPS) -> dict:
+    """Single-process AdamW on the whole batches, each step's loss and the parameters after each step.
+
+    Step ``s`` trains on ``batch(s % epoch_steps)``: the Trainer's epochs repeat their batches.
+    """
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, params = [], []
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = batch(step % epoch_steps)
         loss = cross_entropy(model(x), y)
         loss.backward()
         opt.step()
@@ -100,13 +103,6 @@ def _dp_rows(mesh: DeviceMesh) -> slice:
     return slice(dp.get_local_rank() * n, (dp.get_local_rank() + 1) * n)
 
 
-def _shared_dir() -> str:
-    """A fresh directory that every rank names (rank 0 makes it)."""
-    path = [tempfile.mkdtemp(prefix="lightning_ckpt_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
-
-
 def _remove(path: str) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
@@ -116,8 +112,8 @@ def _remove(path: str) -> None:
 # ----- Fabric ---------------------------------------------------------------------------------------
 def fabric_run(which: str, layout: str, world: int, steps: range, *, seed: int = 0, load: str | None = None,
                save: str | None = None) -> tuple[list[float], dict]:
-    """Train ``steps`` under Fabric; optionally load a checkpoint first, and save one after step
-    ``SAVE_AT``.
+    """Train ``steps`` under Fabric, each as two micro-batches (gradient accumulation); optionally load a
+    checkpoint first, and save one after step ``SAVE_AT``.
 
     Returns each step's loss (the mean over data-parallel ranks) and the full parameters at the end.
     """
@@ -137,12 +133,19 @@ def fabric_run(which: str, layout: str, world: int, steps: range, *, seed: int =
     rows = _dp_rows(strategy.device_mesh)
     losses = []
     for step in steps:
-        x, y = batch(step)
-        loss = cross_entropy(model(x[rows]), y[rows])
-        fabric.backward(loss)
+        x, y = (t[rows] for t in batch(step))
+        # two micro-batches, the first under no_backward_sync (each FSDPModule's
+        # set_requires_gradient_sync(False, recurse=False)): the gradient of the rows' mean loss
+        half = len(x) // 2
+        loss = torch.zeros(())
+        for part in (slice(0, half), slice(half, None)):
+            with fabric.no_backward_sync(model, enabled=part.start == 0):
+                micro = cross_entropy(model(x[part]), y[part]) / 2
+                fabric.backward(micro)
+            loss += micro.detach()
         opt.step()
         opt.zero_grad()
-        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+        losses.append(fabric.all_reduce(loss, reduce_op="mean").item())
         if save is not None and step + 1 == SAVE_AT:
             fabric.save(save, {"model": model, "optimizer": opt, "step": SAVE_AT})
     return losses, full_params(model.module)
@@ -159,7 +162,7 @@ def fabric_trains_and_resumes(layout: str, world: int, ref: dict) -> dict:
     against ours trained without a break."""
     out, params, paths = {}, {}, {}
     for which in ("ours", "fsdp2"):
-        paths[which] = _shared_dir()
+        paths[which] = shared_dir()
         losses, params[which] = fabric_run(which, layout, world, range(STEPS), save=paths[which])
         out[which] = _errors(losses, params[which], ref, range(STEPS))
     out["ours_vs_fsdp2"] = rel_errors(params["ours"], params["fsdp2"])
@@ -246,29 +249,12 @@ def trainer_run(which: str, layout: str, world: int, epochs: int, *, seed: int =
     return losses, full_params(module.model)
 
 
-def _trainer_ref(ref: dict) -> dict:
-    """The reference with the Trainer's data: epoch 2 repeats epoch 1's batches (steps 0, 1, 0, 1)."""
-    model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, params = [], []
-    for step in range(STEPS):
-        x, y = batch(step % SAVE_AT)
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        params.append(full_params(model))
-    return {"losses": losses, "params": params}
-
-
 def trainer_trains_and_resumes(layout: str, world: int, ref: dict) -> dict:
     """Trainer: ours and FSDP2 for 2 epochs, each saving a checkpoint after the first; ours from another
-    seed resumed from each checkpoint against the run that wrote it."""
-    ref = _trainer_ref(ref)
+    seed resumed from each checkpoint against the run that wrote it. ``ref``: ``reference(SAVE_AT)``."""
     out, params, paths = {}, {}, {}
     for which in ("ours", "fsdp2"):
-        paths[which] = _shared_dir()
+        paths[which] = shared_dir()
         ckpt = os.path.join(paths[which], "epoch1.ckpt")  # a directory: DCP's files and Lightning's meta.pt
         losses, params[which] = trainer_run(which, layout, world, 2, save=ckpt)
         out[which] = _errors(losses, params[which], ref, range(STEPS))
@@ -284,9 +270,9 @@ def trainer_trains_and_resumes(layout: str, world: int, ref: dict) -> dict:
 
 def checks(rank: int, world: int, layouts: tuple[str, ...]) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
-    ref = reference()
+    ref, ref_epochs = reference(), reference(epoch_steps=SAVE_AT)  # Fabric's data, the Trainer's
     cases: dict[str, Callable[[], object]] = {}
     for layout in layouts:
-        cases[f"fabric_{layout}"] = lambda layout=layout: fabric_trains_and_resumes(layout, world, ref)
-        cases[f"trainer_{layout}"] = lambda layout=layout: trainer_trains_and_resumes(layout, world, ref)
+        cases[f"fabric_{layout}"] = functools.partial(fabric_trains_and_resumes, layout, world, ref)
+        cases[f"trainer_{layout}"] = functools.partial(trainer_trains_and_resumes, layout, world, ref_epochs)
     return run_cases(cases)
