@@ -302,7 +302,9 @@ def _adopt_loaded(unit: Unit, module: nn.Module, incompatible_keys: object) -> N
     """After ``load_state_dict``: ``assign=True`` put new DTensor parameters on the modules (accelerate's
     ``cpu_ram_efficient_loading`` loads so); the unit copies their values into its flat shard and keeps
     them as views of it (``Unit.adopt_sharded``), or its all-gathers would read the old values. A load
-    that copied in place left the views as they were: nothing is copied then."""
+    that copied in place left the unit's own parameters registered: nothing to do then."""
+    if all(getattr(ref.module, ref.attr) is p for ref, p in zip(unit.refs, unit.sharded)):
+        return
     unit.adopt_sharded()
 
 
