@@ -140,6 +140,16 @@ def run_cases(cases: dict[str, Callable[[], object]]) -> Results:
     return out
 
 
+def shared_dir() -> str:
+    """In a worker: a fresh directory that every rank of the launch names (rank 0 makes it), e.g. for a
+    checkpoint; the caller removes it."""
+    import torch.distributed as dist
+
+    path = [tempfile.mkdtemp(prefix="ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
 def _errors(results: list[Results], name: str) -> list[str]:
     """Each rank's failure of case ``name``: its traceback, a dead worker, or a case that did not run."""
     errors = []

@@ -6,6 +6,7 @@ Imports flow one way: api, debug, collectives, dbuffer, unit, hooks, fully_shard
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -286,6 +287,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         for m in owners:
             if isinstance(m, nn.Embedding) and m.max_norm is not None:
                 EmbeddingRenorm(m, unit)
+        for owner in owners:  # as FSDP2 does (a post-hook per owner), for a load into any submodule
+            owner.register_load_state_dict_post_hook(functools.partial(_adopt_loaded, unit))
     for sub in (s for m in modules for s in m.modules()):  # FSDP2's flags for dynamo: parameters are graph
         sub._is_fsdp_managed_module = sub._fsdp_use_orig_params = True  # inputs (swapped at each (un)shard)
     for m in modules:
@@ -294,6 +297,16 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     for top in modules:
         _name_units(top)
     return module
+
+
+def _adopt_loaded(unit: Unit, module: nn.Module, incompatible_keys: object) -> None:
+    """After ``load_state_dict``: ``assign=True`` put new DTensor parameters on the modules (accelerate's
+    ``cpu_ram_efficient_loading`` loads so); the unit copies their values into its flat shard and keeps
+    them as views of it (``Unit.adopt_sharded``), or its all-gathers would read the old values. A load
+    that copied in place left the unit's own parameters registered: nothing to do then."""
+    if all(getattr(ref.module, ref.attr) is p for ref, p in zip(unit.refs, unit.sharded)):
+        return
+    unit.adopt_sharded()
 
 
 def _offset_free_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
