@@ -19,6 +19,8 @@ ordinary single-device ``nnx`` training.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,8 +136,16 @@ def train_data_parallel(model: nnx.Module, images: np.ndarray, labels: np.ndarra
     (dim 0: the device)."""
     opt = adamw() if opt is None else opt
     graphdef, params, state = nnx.split(model, nnx.Param, ...)
-    states = per_device_state(state, n)
+    losses, params, _, states = data_parallel_steps(graphdef, params, opt.init(params),
+                                                    per_device_state(state, n), images, labels, n, opt)
+    return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}, states
 
+
+def data_parallel_steps(graphdef: nnx.GraphDef, params: nnx.State, opt_state: Any, states: nnx.State,
+                        images: np.ndarray, labels: np.ndarray, n: int,
+                        opt: optax.GradientTransformation) -> tuple[list, nnx.State, Any, nnx.State]:
+    """``train_data_parallel``'s steps from given Params, optimizer state and per-device model states:
+    the losses and the three after the steps (to continue the run, at another ``n`` too)."""
     def device_loss(p, st, x, y):
         m = nnx.merge(graphdef, p, jax.tree.map(lambda a: a, st))
         loss = cross_entropy(m(x), y)
@@ -152,8 +162,8 @@ def train_data_parallel(model: nnx.Module, images: np.ndarray, labels: np.ndarra
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, new, loss
 
-    opt_state, losses = opt.init(params), []
+    losses = []
     for x, y in zip(images, labels):
         params, opt_state, states, loss = step(params, opt_state, states, x, y)
         losses.append(float(loss))
-    return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}, states
+    return losses, params, opt_state, states
