@@ -167,3 +167,35 @@ def data_parallel_steps(graphdef: nnx.GraphDef, params: nnx.State, opt_state: An
         params, opt_state, states, loss = step(params, opt_state, states, x, y)
         losses.append(float(loss))
     return losses, params, opt_state, states
+
+
+def near_error(a, b) -> float:
+    """``||a - b||`` over ``max(||b||, sqrt(numel))``: relative for tensors of RMS one or more, absolute RMS
+    below. Values near zero are sums that cancel (biases near their zero init, BatchNorm's mean of
+    activations centred near zero: 1e-5 for batch_norm1): they carry the rounding of their terms, of RMS
+    about one, and relative to themselves it is of order one."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), np.sqrt(b.size)))
+
+
+def assert_params_near(got: dict, want: dict, tol: float) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert near_error(got[k], want[k]) <= tol, (k, near_error(got[k], want[k]))
+
+
+def state_leaves(state) -> dict:
+    """``{path: np.ndarray}`` of a model state, PRNG keys as their key data."""
+    def plain(x):
+        return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+    return {jax.tree_util.keystr(p): plain(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def assert_state_close(got, want, rtol):
+    got, want = state_leaves(got), state_leaves(want)
+    assert list(got) == list(want)
+    for k in want:
+        if np.issubdtype(want[k].dtype, np.floating):
+            assert near_error(got[k], want[k]) <= rtol, (k, near_error(got[k], want[k]), got[k], want[k])
+        else:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
