@@ -15,7 +15,7 @@ all it takes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -24,8 +24,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_backend._buffers import LayoutMismatchError, full_params, shard_params
+from jax_backend._buffers import Axis, LayoutMismatchError, full_params, shard_params
 from jax_backend._names import fqn
+from jax_backend._optax import full_optimizer_state, shard_optimizer_state
+from ragged import Layout
 
 if TYPE_CHECKING:
     from jax_backend._step import FSDP
@@ -69,10 +71,45 @@ def _as_data(x: jax.Array) -> jax.Array:
     return jax.random.key_data(x) if _is_key(x) else x
 
 
+def _as_key(like: jax.ShapeDtypeStruct, x: Any) -> Any:
+    """``x`` as ``like``'s typed PRNG key when ``like`` is one (key data saved by ``_as_data``)."""
+    if not _is_key(like):
+        return x
+    key = jax.random.wrap_key_data(x)  # JAX's default implementation, which nnx.Rngs draws with
+    if key.dtype != like.dtype:
+        raise LayoutMismatchError(f"the model's PRNG keys are {like.dtype}, restored as {key.dtype}: "
+                                  "restore with the default PRNG implementation the model was built with")
+    return key
+
+
 def _check_fsdp(fsdp: FSDP) -> None:
     if fsdp.tensor_parallel is not None or fsdp.expert_layouts:
         raise LayoutMismatchError("the checkpoint tree supports FSDP and HSDP meshes; with a tensor axis or "
                                   "expert parallelism use the neutral checkpoint (save_neutral_checkpoint)")
+
+
+def unit_unpacker(layout: Layout, mesh: Mesh) -> Callable[[jax.Array], dict[str, jax.Array]]:
+    """A jitted ``buffer -> {fqn: tensor}`` of one unit (``full_params``), each tensor spread on ``mesh``."""
+    shardings = {t.name: spread(t.shape, mesh) for t in layout.tensors}
+    return jax.jit(lambda b: full_params({layout.name: b}, [layout]), out_shardings=shardings)
+
+
+def unpack_per_unit(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> dict[str, jax.Array]:
+    """``full_params`` one unit per program (``unit_unpacker``): no program holds more than one unit in
+    full."""
+    out = {}
+    for lay in layouts:
+        out.update(unit_unpacker(lay, buffers[lay.name].sharding.mesh)(buffers[lay.name]))
+    return out
+
+
+def pack_per_unit(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mesh,
+                  axis: Axis) -> dict[str, jax.Array]:
+    """``shard_params`` one unit per program."""
+    out = {}
+    for lay in layouts:
+        out.update(shard_params({t.name: params[t.name] for t in lay.tensors}, [lay], mesh, axis))
+    return out
 
 
 def checkpoint_tree(fsdp: FSDP, buffers: Mapping[str, jax.Array],
@@ -80,29 +117,19 @@ def checkpoint_tree(fsdp: FSDP, buffers: Mapping[str, jax.Array],
                     model_state: Any = None) -> dict[str, Any]:
     """The step's buffers (and optimizer state, model state) as the checkpoint tree (module docstring).
 
-    Each unit is unpacked by a program of its own (static slices, exact), so no program holds more than
-    one unit in full; the optimizer state by one program (``full_optimizer_state``) whose outputs are
-    spread too.
+    Parameters and the optimizer state's slots are unpacked one unit per program (static slices,
+    exact), so no program holds more than one unit in full.
     """
     _check_fsdp(fsdp)
-    mesh, tree = fsdp.mesh, {}
-    params = {}
-    for lay in fsdp.layouts:
-        out = {t.name: spread(t.shape, mesh) for t in lay.tensors}
-        unpack = jax.jit(lambda b, lay=lay: full_params({lay.name: b}, [lay]), out_shardings=out)
-        params.update(unpack(buffers[lay.name]))
-    tree["params"] = params
+    tree = {"params": unpack_per_unit(buffers, fsdp.layouts)}
     if optimizer is not None:
-        def full(state: Any) -> dict[str, jax.Array]:
-            return _by_path(fsdp.full_optimizer_state(optimizer, state))
-
-        out = {k: spread(v.shape, mesh) for k, v in jax.eval_shape(full, opt_state).items()}
-        tree["opt_state"] = jax.jit(full, out_shardings=out)(opt_state)
+        tree["opt_state"] = _by_path(full_optimizer_state(optimizer, opt_state, fsdp.layouts, fsdp.model.tree,
+                                                          unpack=unpack_per_unit))
     if model_state is not None:
         def first(state: Any) -> dict[str, jax.Array]:
             return {k: _as_data(v) for k, v in _by_path(fsdp.full_model_state(state)).items()}
 
-        tree["model_state"] = jax.jit(first, out_shardings=NamedSharding(mesh, P()))(model_state)
+        tree["model_state"] = jax.jit(first, out_shardings=NamedSharding(fsdp.mesh, P()))(model_state)
     return tree
 
 
@@ -132,29 +159,26 @@ def from_checkpoint_tree(fsdp: FSDP, tree: Mapping[str, Any],
     """A checkpoint tree (restored onto this mesh, or on any devices or the host) -> ``(buffers,
     opt_state, model_state)`` of this FSDP's step; ``None`` for a part the tree does not hold.
 
-    Each unit is packed by a program of its own (``shard_params`` of its tensors); the optimizer state
-    by ``shard_optimizer_state``; the model state is re-stacked once per data-parallel device, its RNG
-    keys folded with the device's index (as ``shard_model_state``).
+    Each unit of the parameters and of the optimizer state's slots is packed by a program of its own
+    (``shard_params`` of its tensors, ``shard_optimizer_state``); the model state is re-stacked once per
+    data-parallel device, its RNG keys folded with the device's index (as ``shard_model_state``).
 
     Raises:
         LayoutMismatchError: a tree of another model or optimizer (naming the paths), or a missing part.
     """
     _check_fsdp(fsdp)
     params = _by_path(_from_paths(fsdp.model.tree, tree["params"], "params"))
-    buffers = {}
-    for lay in fsdp.layouts:
-        unit = {t.name: params[t.name] for t in lay.tensors}
-        buffers.update(shard_params(unit, [lay], fsdp.mesh, fsdp.axis))
+    buffers = pack_per_unit(params, fsdp.layouts, fsdp.mesh, fsdp.axis)
     opt_state = model_state = None
     if optimizer is not None:
         if "opt_state" not in tree:
             raise LayoutMismatchError("the checkpoint holds no 'opt_state': restore without the optimizer")
         full = _from_paths(jax.eval_shape(optimizer.init, fsdp.model.tree), tree["opt_state"], "opt_state")
-        opt_state = fsdp.shard_optimizer_state(optimizer, full)
+        opt_state = shard_optimizer_state(optimizer, full, fsdp.layouts, fsdp.mesh, fsdp.axis,
+                                          fsdp.model.tree, pack=pack_per_unit)
     if "model_state" in tree:
         state = _from_paths(fsdp.model.state, tree["model_state"], "model_state")
-        state = jax.tree.map(lambda like, v: jax.random.wrap_key_data(v) if _is_key(like) else v,
-                             fsdp.model.state, state)
+        state = jax.tree.map(_as_key, fsdp.model.state, state)
         model_state = fsdp.stack_model_state(state)  # keys refolded, as shard_model_state
     return buffers, opt_state, model_state
 

@@ -25,7 +25,7 @@ passed through ``on_shards`` and run as they are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -283,7 +283,7 @@ def check_optimizer(tx: optax.GradientTransformation, layouts: Sequence[Layout],
 
 
 def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: Sequence[Layout],
-                  params: Any = None) -> Any:
+                  params: Any = None, unpack: Callable = full_params) -> Any:
     """The FSDP step's optimizer state as optax keeps it on the full params: ``tx.init(params)``'s pytree.
 
     Per-parameter leaves come back whole (``full_params`` of their slot: static slices, exact); step
@@ -294,6 +294,7 @@ def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: 
         tx: the user's transformation, as given to ``FSDP.init`` (not an ``on_shards`` one).
         state: the step's state of ``tx``.
         layouts, params: as for ``shard_optimizer``.
+        unpack: ``full_params`` or a function like it (the checkpoint tree's, one unit per program).
     """
     if isinstance(tx, OnShards):
         raise UnsupportedOptimizerError("an on_shards transformation keeps its own state layout: read it "
@@ -307,11 +308,11 @@ def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: 
         flat = {key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
         shards = [{lay.name: flat[key((*prefix, jax.tree_util.DictKey(lay.name)))] for lay in layouts}
                   for prefix in traced.prefixes]
-    # every slot's units in one full_params (one program): each slot's Layouts renamed "slot/name"
+    # every slot's units in one unpack (one program for full_params): each slot's Layouts renamed "slot/name"
     units = {lay.name: lay for lay in layouts}
     renamed = [units[u].renamed(tuple(f"{k}/{t.name}" for t in units[u].tensors), f"{k}/{u}")
                for k, slot in enumerate(shards) for u in slot]
-    full = full_params({f"{k}/{u}": b for k, slot in enumerate(shards) for u, b in slot.items()}, renamed)
+    full = unpack({f"{k}/{u}": b for k, slot in enumerate(shards) for u, b in slot.items()}, renamed)
     slots = [{name: full[f"{k}/{name}"] for name in traced.names if f"{k}/{name}" in full}
              for k in range(len(shards))]
     leaves = []
@@ -327,14 +328,15 @@ def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: 
 
 
 def shard_optimizer_state(tx: optax.GradientTransformation, full: Any, layouts: Sequence[Layout], mesh: Mesh,
-                          axis: Axis, params: Any = None) -> Any:
+                          axis: Axis, params: Any = None, pack: Callable = shard_params) -> Any:
     """The inverse of ``full_optimizer_state``: optax's state on the full params (``tx.init(params)``'s
     pytree, with whole tensors on any devices or the host) -> the FSDP step's state of ``tx`` on ``mesh``.
 
     Each slot's tensors are packed into unit shards laid out like the buffers (``shard_params``: copies
     only, exact; zeros where a parameter has no leaf in the slot), every other leaf (step counts, norms)
     is replicated. ``full`` may come from another mesh size, so the optimizer state moves as the
-    parameters do: ``full_optimizer_state`` on one mesh, this on the other.
+    parameters do: ``full_optimizer_state`` on one mesh, this on the other. ``pack``: ``shard_params`` or a
+    function like it (the checkpoint tree's, one unit per program).
 
     Raises:
         UnsupportedOptimizerError: an ``on_shards`` transformation (its state layout is its own).
@@ -361,7 +363,7 @@ def shard_optimizer_state(tx: optax.GradientTransformation, full: Any, layouts: 
             rest[key(path)] = jax.device_put(value, replicated)
         else:
             slots[leaf.slot][traced.names[leaf.index]] = value
-    # every slot's units in one shard_params (one program): each slot's Layouts renamed "slot/name"
+    # every slot's units in one pack (one program for shard_params): each slot's Layouts renamed "slot/name"
     units, renamed, tensors = [], [], {}
     for k, slot in enumerate(slots):
         units.append([lay.name for lay in layouts if any(t.name in slot for t in lay.tensors)])
@@ -370,7 +372,7 @@ def shard_optimizer_state(tx: optax.GradientTransformation, full: Any, layouts: 
             renamed.append(lay.renamed(tuple(f"{k}/{t.name}" for t in lay.tensors), f"{k}/{lay.name}"))
             tensors.update({f"{k}/{t.name}": slot[t.name] if t.name in slot else np.zeros(t.shape, dtype)
                             for t in lay.tensors})
-    packed = shard_params(tensors, renamed, mesh, axis) if renamed else {}
+    packed = pack(tensors, renamed, mesh, axis) if renamed else {}
     shards = [{u: packed[f"{k}/{u}"] for u in names} for k, names in enumerate(units)]
     if not traced.uniform():
         return ShardedState(tuple(shards), tuple(rest.values()))  # rest in the state's order

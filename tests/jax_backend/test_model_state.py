@@ -215,10 +215,11 @@ def test_training_moves_to_another_mesh_with_its_optimizer_and_model_state(targe
     """Issue 35: three steps at 4 devices, then two on a mesh of other devices (3, HSDP 2 x 2) by the
     documented path: ``full_params``, ``full_optimizer_state``, ``full_model_state(device=0)`` copied into
     a fresh model, then the new FSDP's ``shard_params``, ``shard_optimizer_state``, ``shard_model_state``
-    (all of which take the old mesh's arrays). The reference is flax and optax on one device doing the
-    same: 4-way data parallelism, then device 0's model state re-stacked for the new size (its RNG keys
-    folded with the new devices' indices) and data parallelism at that size. BatchNorm statistics, Dropout
-    counts and keys, the user's optimizer state (momentum; the masked decay's pieces) all carry over."""
+    (all of which take the old mesh's arrays, or one device's). The reference is flax and optax on one
+    device doing the same: 4-way data parallelism, then device 0's model state re-stacked for the new size
+    (its RNG keys folded with the new devices' indices) and data parallelism at that size. BatchNorm
+    statistics, Dropout counts and keys, the user's optimizer state (momentum; the masked decay's pieces)
+    all carry over."""
     opt = opt()
     images, labels = image_batches((28, 28, 1), steps=5)
     model, units = CNN(nnx.Rngs(0), rate=0.2), ["conv2", "batch_norm2", "linear1"]
@@ -237,6 +238,8 @@ def test_training_moves_to_another_mesh_with_its_optimizer_and_model_state(targe
     opt_state = fsdp.shard_optimizer_state(opt, fsdp4.full_optimizer_state(opt, opt_state))
     model_state = fsdp.shard_model_state(fresh)
     assert_state_close(fsdp.init_model_state(lambda: fresh), model_state, 0.0)  # the same from a closure
+    one_device = jax.device_put(nnx.state(fresh, nnx.Not(nnx.Param)), jax.devices()[7])  # and from one device
+    assert_state_close(fsdp.stack_model_state(one_device), model_state, 0.0)
     step = fsdp.train_step(opt, cross_entropy)
     for x, y in zip(images[3:], labels[3:]):
         buffers, opt_state, loss, model_state = step(buffers, opt_state, x, y, model_state)
