@@ -14,13 +14,15 @@ all it takes.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -88,18 +90,20 @@ def _check_fsdp(fsdp: FSDP) -> None:
                                   "expert parallelism use the neutral checkpoint (save_neutral_checkpoint)")
 
 
-def unit_unpacker(layout: Layout, mesh: Mesh) -> Callable[[jax.Array], dict[str, jax.Array]]:
-    """A jitted ``buffer -> {fqn: tensor}`` of one unit (``full_params``), each tensor spread on ``mesh``."""
-    shardings = {t.name: spread(t.shape, mesh) for t in layout.tensors}
-    return jax.jit(lambda b: full_params({layout.name: b}, [layout]), out_shardings=shardings)
+@functools.partial(jax.jit, static_argnames=("layout", "mesh"))
+def unpack_unit(buffer: jax.Array, layout: Layout, mesh: Mesh) -> dict[str, jax.Array]:
+    """One unit's buffer -> ``{fqn: tensor}`` (``full_params``), each tensor spread on ``mesh``: one
+    program per unit and mesh, compiled once (a run saving every N steps reuses it)."""
+    tensors = full_params({layout.name: buffer}, [layout])
+    return {k: lax.with_sharding_constraint(v, spread(v.shape, mesh)) for k, v in tensors.items()}
 
 
 def unpack_per_unit(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> dict[str, jax.Array]:
-    """``full_params`` one unit per program (``unit_unpacker``): no program holds more than one unit in
+    """``full_params`` one unit per program (``unpack_unit``): no program holds more than one unit in
     full."""
     out = {}
     for lay in layouts:
-        out.update(unit_unpacker(lay, buffers[lay.name].sharding.mesh)(buffers[lay.name]))
+        out.update(unpack_unit(buffers[lay.name], lay, buffers[lay.name].sharding.mesh))
     return out
 
 

@@ -23,7 +23,7 @@ from jax_backend import (
     save_neutral_params,
     shard_model,
 )
-from jax_backend._checkpoint_tree import unit_unpacker
+from jax_backend._checkpoint_tree import unpack_unit
 from jax_backend.models import cross_entropy, model_params, parallelize
 from tests.jax_backend import vision_models
 from tests.jax_backend.jax_reference import FP32_EPS, adamw, assert_within_baseline, rel_err
@@ -151,7 +151,7 @@ def test_saving_unpacks_one_unit_at_a_time(model):
     buffers = fsdp.shard_params(model_params(model))
     model_bytes = 4 * sum(lay.total_numel for lay in fsdp.layouts)
     for lay in fsdp.layouts:
-        compiled = unit_unpacker(lay, fsdp.mesh).lower(buffers[lay.name]).compile()
+        compiled = unpack_unit.lower(buffers[lay.name], lay, fsdp.mesh).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         assert temp <= 1.5 * 4 * lay.total_numel < model_bytes / 2, (lay.name, temp)
     for name, array in fsdp.checkpoint_tree(buffers)["params"].items():
