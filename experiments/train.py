@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dtype", default="uint16", choices=("uint16", "uint32"))
     p.add_argument("--checkpoint-dir", help="save here and resume from the newest checkpoint here")
     p.add_argument("--save-interval", type=int, default=100)
+    p.add_argument("--checkpoint-format", choices=("npz", "orbax"), default="npz",
+                   help="JAX: each process's shards (npz: resume on the same mesh) or an async Orbax "
+                        "checkpoint of per-parameter arrays (orbax: any mesh; llamas, adamw, no --tp)")
     p.add_argument("--log", type=Path, help="JSON lines, one per step (default: <checkpoint-dir>/log.jsonl)")
     p.add_argument("--summary", type=Path, help="write the final summary here as JSON")
     p.add_argument("--dry-run", action="store_true", help="print the per-device memory plan and exit")
@@ -167,6 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
         settings["tp"] = args.tp
     if args.ep > 1 and args.stack == "jax":  # torch checkpoints use one-process names: any --ep resumes them
         settings["ep"] = args.ep
+    if args.checkpoint_format == "orbax":  # only then: npz runs written before it existed still resume
+        moe = isinstance(config, ragged.models.MoeConfig)
+        if args.stack != "jax" or args.optimizer != "adamw" or args.tp > 1 or moe:
+            raise SystemExit("--checkpoint-format orbax: the JAX stack, a llama, adamw, no --tp (the Orbax "
+                             "tree holds the optimizer state as optax keeps it on the full params)")
+        settings["checkpoint_format"] = "orbax"
     if args.stack == "torch":
         from experiments._train import torch_run
 

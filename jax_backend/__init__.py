@@ -24,6 +24,7 @@ from jax_backend._optax import (
     global_norm,
     on_shards,
     shard_optimizer,
+    shard_optimizer_state,
 )
 from jax_backend._step import FSDP
 from jax_backend._tensor_parallel import TensorParallel, TensorParallelError
@@ -52,5 +53,6 @@ __all__ = [
     "save_neutral_params",
     "shard_model",
     "shard_optimizer",
+    "shard_optimizer_state",
     "shard_params",
 ]

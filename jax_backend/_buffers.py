@@ -144,12 +144,20 @@ def buffer_sharding(mesh: Mesh, axis: Axis) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axis))
 
 
-def onto_mesh(x: Any, mesh: Mesh) -> Any:
-    """A ``jax.Array`` committed to other devices than ``mesh``'s (``full_params`` of another mesh) copied
-    onto the mesh, replicated: one jitted program cannot read arrays from two device sets."""
-    if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != set(mesh.devices.flat):
-        return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-    return x
+def onto_mesh(tree: Any, mesh: Mesh) -> Any:
+    """Every ``jax.Array`` of ``tree`` committed to other devices than ``mesh``'s (another mesh's, one
+    device's) copied onto the mesh, replicated; host arrays and arrays already on the mesh as they are.
+    One jitted program cannot read arrays from two device sets, so every entry that takes the user's
+    arrays (parameters, optimizer state, model state) passes them through this first."""
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def onto(x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != devices:
+            return jax.device_put(x, replicated)
+        return x
+
+    return jax.tree.map(onto, tree)
 
 
 def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mesh,
@@ -162,7 +170,7 @@ def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mes
     """
     check_mesh(mesh, layouts, axis)
     check_params(params, layouts)
-    params = {k: onto_mesh(v, mesh) for k, v in params.items()}
+    params = onto_mesh(dict(params), mesh)
     sharding = buffer_sharding(mesh, axis)
     shardings = {lay.name: sharding for lay in layouts}
     dtypes = {lay.name: jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts}

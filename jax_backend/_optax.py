@@ -25,17 +25,19 @@ passed through ``on_shards`` and run as they are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.extend import core as jex_core
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_backend._buffers import LayoutMismatchError, full_params
+from jax_backend._buffers import Axis, LayoutMismatchError, full_params, shard_params
 from jax_backend._names import fqn
 from jax_backend._pieces import (
     CALLS,
@@ -281,7 +283,7 @@ def check_optimizer(tx: optax.GradientTransformation, layouts: Sequence[Layout],
 
 
 def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: Sequence[Layout],
-                  params: Any = None) -> Any:
+                  params: Any = None, unpack: Callable = full_params) -> Any:
     """The FSDP step's optimizer state as optax keeps it on the full params: ``tx.init(params)``'s pytree.
 
     Per-parameter leaves come back whole (``full_params`` of their slot: static slices, exact); step
@@ -292,6 +294,7 @@ def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: 
         tx: the user's transformation, as given to ``FSDP.init`` (not an ``on_shards`` one).
         state: the step's state of ``tx``.
         layouts, params: as for ``shard_optimizer``.
+        unpack: ``full_params`` or a function like it (the checkpoint tree's, one unit per program).
     """
     if isinstance(tx, OnShards):
         raise UnsupportedOptimizerError("an on_shards transformation keeps its own state layout: read it "
@@ -305,11 +308,11 @@ def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: 
         flat = {key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
         shards = [{lay.name: flat[key((*prefix, jax.tree_util.DictKey(lay.name)))] for lay in layouts}
                   for prefix in traced.prefixes]
-    # every slot's units in one full_params (one program): each slot's Layouts renamed "slot/name"
+    # every slot's units in one unpack (one program for full_params): each slot's Layouts renamed "slot/name"
     units = {lay.name: lay for lay in layouts}
     renamed = [units[u].renamed(tuple(f"{k}/{t.name}" for t in units[u].tensors), f"{k}/{u}")
                for k, slot in enumerate(shards) for u in slot]
-    full = full_params({f"{k}/{u}": b for k, slot in enumerate(shards) for u, b in slot.items()}, renamed)
+    full = unpack({f"{k}/{u}": b for k, slot in enumerate(shards) for u, b in slot.items()}, renamed)
     slots = [{name: full[f"{k}/{name}"] for name in traced.names if f"{k}/{name}" in full}
              for k in range(len(shards))]
     leaves = []
@@ -321,6 +324,66 @@ def full_optimizer_state(tx: optax.GradientTransformation, state: Any, layouts: 
         else:
             leaves.append(flat[jax.tree_util.keystr(path)])
     return jax.tree_util.tree_unflatten(traced.state_def, leaves)
+
+
+
+def shard_optimizer_state(tx: optax.GradientTransformation, full: Any, layouts: Sequence[Layout], mesh: Mesh,
+                          axis: Axis, params: Any = None, pack: Callable = shard_params) -> Any:
+    """The inverse of ``full_optimizer_state``: optax's state on the full params (``tx.init(params)``'s
+    pytree, with whole tensors on any devices or the host) -> the FSDP step's state of ``tx`` on ``mesh``.
+
+    Each slot's tensors are packed into unit shards laid out like the buffers (``shard_params``: copies
+    only, exact; zeros where a parameter has no leaf in the slot), every other leaf (step counts, norms)
+    is replicated. ``full`` may come from another mesh size, so the optimizer state moves as the
+    parameters do: ``full_optimizer_state`` on one mesh, this on the other. ``pack``: ``shard_params`` or a
+    function like it (the checkpoint tree's, one unit per program).
+
+    Raises:
+        UnsupportedOptimizerError: an ``on_shards`` transformation (its state layout is its own).
+        LayoutMismatchError: ``full`` is not ``tx.init(params)``'s pytree, or a leaf has another shape.
+    """
+    if isinstance(tx, OnShards):
+        raise UnsupportedOptimizerError("an on_shards transformation keeps its own state layout: it cannot "
+                                        "be rebuilt from the full params' state")
+    params = abstract_params(layouts) if params is None else params
+    traced = _Traced(tx, params)
+    key = jax.tree_util.keystr
+    try:
+        values = traced.state_def.flatten_up_to(full)
+    except (TypeError, ValueError) as err:
+        raise LayoutMismatchError(f"the optimizer state is not tx.init(params)'s pytree ({err})") from None
+    slots: list[dict[str, Any]] = [{} for _ in range(traced.slots)]
+    rest = {}
+    replicated = NamedSharding(mesh, P())
+    for leaf, path, aval, value in zip(traced.leaves, traced.state_paths, traced.state_avals, values):
+        if tuple(np.shape(value)) != tuple(aval.shape):
+            raise LayoutMismatchError(f"optimizer state leaf {key(path)} has shape {tuple(np.shape(value))}, "
+                                      f"tx.init(params) gives {tuple(aval.shape)}")
+        if leaf.slot is None:
+            rest[key(path)] = jax.device_put(value, replicated)
+        else:
+            slots[leaf.slot][traced.names[leaf.index]] = value
+    # every slot's units in one pack (one program for shard_params): each slot's Layouts renamed "slot/name"
+    units, renamed, tensors = [], [], {}
+    for k, slot in enumerate(slots):
+        units.append([lay.name for lay in layouts if any(t.name in slot for t in lay.tensors)])
+        for lay in (lay for lay in layouts if lay.name in units[k]):
+            dtype = jnp.result_type(*(slot[t.name] for t in lay.tensors if t.name in slot))
+            renamed.append(lay.renamed(tuple(f"{k}/{t.name}" for t in lay.tensors), f"{k}/{lay.name}"))
+            tensors.update({f"{k}/{t.name}": slot[t.name] if t.name in slot else np.zeros(t.shape, dtype)
+                            for t in lay.tensors})
+    packed = pack(tensors, renamed, mesh, axis) if renamed else {}
+    shards = [{u: packed[f"{k}/{u}"] for u in names} for k, names in enumerate(units)]
+    if not traced.uniform():
+        return ShardedState(tuple(shards), tuple(rest.values()))  # rest in the state's order
+    # tx runs on flat shards (shard_optimizer returns it as is): its state is tx.init({unit: buffer}),
+    # slot k's subtree {unit: buffer} at the slot's path, every other leaf where tx.init(params) has it
+    like = jax.eval_shape(tx.init, {lay.name: jax.ShapeDtypeStruct((lay.total_numel,), jnp.float32)
+                                    for lay in layouts})
+    at = {key((*prefix, jax.tree_util.DictKey(u))): b for prefix, slot in zip(traced.prefixes, shards)
+          for u, b in slot.items()}
+    paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+    return jax.tree_util.tree_unflatten(treedef, [at.get(key(p), rest.get(key(p))) for p, _ in paths])
 
 
 def state_specs(state: Any, axis: str, buffer_spec: P | None = None) -> Any:

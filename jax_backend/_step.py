@@ -31,12 +31,20 @@ from jax_backend._buffers import (
     buffer_sharding,
     check_mesh,
     full_params,
+    onto_mesh,
     pack_unit,
     shard_params,
 )
+from jax_backend._checkpoint_tree import abstract_checkpoint_tree, checkpoint_tree, from_checkpoint_tree
 from jax_backend._compat import shard_map
 from jax_backend._names import fqn
-from jax_backend._optax import UnsupportedOptimizerError, full_optimizer_state, shard_optimizer, state_specs
+from jax_backend._optax import (
+    UnsupportedOptimizerError,
+    full_optimizer_state,
+    shard_optimizer,
+    shard_optimizer_state,
+    state_specs,
+)
 from jax_backend._tensor_parallel import TensorParallel, full_tp_params, pack_tp_unit, shard_tp_params
 from jax_backend._units import MixedPrecisionPolicy, Units
 from ragged import Layout
@@ -200,6 +208,15 @@ class FSDP:
         """The step's state of ``optimizer`` as optax keeps it on the full params."""
         return full_optimizer_state(optimizer, state, self.layouts, self.model.tree)
 
+    def shard_optimizer_state(self, optimizer: optax.GradientTransformation, state: Any) -> Any:
+        """The inverse of ``full_optimizer_state``: optax's state on the full params (of this FSDP or of
+        another mesh's, on any devices) -> the step's state of ``optimizer`` on this mesh
+        (``jax_backend.shard_optimizer_state``)."""
+        if self.tensor_parallel is not None:
+            raise LayoutMismatchError("shard_optimizer_state with a tensor axis is not supported: the "
+                                      "step's state holds (T, W * S) shards")
+        return shard_optimizer_state(optimizer, state, self.layouts, self.mesh, self.axis, self.model.tree)
+
     def _state_specs(self, optimizer: optax.GradientTransformation) -> Any:
         """The shard_map specs of ``optimizer``'s state (``optimizer`` as ``shard_optimizer`` returns it)."""
         init = self._shard_map(optimizer.init, in_specs=(self._buffer_specs(),), out_specs=P())
@@ -277,7 +294,12 @@ class FSDP:
         """The step's model state from a built model: every ``nnx.Variable`` but its Params (batch
         statistics, RNG streams, counters), one copy per data-parallel device on dim 0 (RNG keys folded
         with the device's index at more than one device). Empty for a pure function."""
-        state = self.model.split_state(model)
+        return self.stack_model_state(self.model.split_state(model))
+
+    def stack_model_state(self, state: Any) -> Any:
+        """One copy of the model state (``full_model_state``'s, of any mesh; on any devices) -> the step's,
+        as ``shard_model_state`` makes it."""
+        state = onto_mesh(state, self.mesh)  # another mesh's arrays, say
         return jax.jit(self._per_device, out_shardings=self._state_sharding())(state)
 
     def init_model_state(self, make: Callable[[], Any]) -> Any:
@@ -290,6 +312,25 @@ class FSDP:
         """One data-parallel device's copy of the model state (device 0: the first replica's first shard,
         as a DDP checkpoint saves rank 0's buffers), for ``nnx.update(model, ...)``."""
         return jax.tree.map(lambda a: a[device], model_state)
+
+    # ----- checkpoints: a mesh-independent tree for Orbax (``_checkpoint_tree``) ------------------------
+    def checkpoint_tree(self, buffers: Mapping[str, jax.Array],
+                        optimizer: optax.GradientTransformation | None = None, opt_state: Any = None,
+                        model_state: Any = None) -> dict[str, Any]:
+        """``{"params": {fqn: array}, "opt_state": ..., "model_state": ...}``: per-parameter arrays
+        spread over the mesh, for ``ocp.args.StandardSave`` (docs/orbax.md); restorable onto any mesh."""
+        return checkpoint_tree(self, buffers, optimizer, opt_state, model_state)
+
+    def abstract_checkpoint_tree(self, optimizer: optax.GradientTransformation | None = None,
+                                 model_state: bool | None = None) -> dict[str, Any]:
+        """The checkpoint tree's shapes, dtypes and this mesh's shardings: ``ocp.args.StandardRestore``'s
+        target."""
+        return abstract_checkpoint_tree(self, optimizer, model_state)
+
+    def from_checkpoint_tree(self, tree: Mapping[str, Any],
+                             optimizer: optax.GradientTransformation | None = None) -> tuple[dict, Any, Any]:
+        """A checkpoint tree of any mesh -> ``(buffers, opt_state, model_state)`` of this step."""
+        return from_checkpoint_tree(self, tree, optimizer)
 
     def init_params(self, make: Callable[[], Any]) -> dict[str, jax.Array]:
         """Sharded init: ``{unit: buffer}`` from ``make()`` without the model ever existing in full.

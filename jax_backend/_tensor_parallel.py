@@ -266,7 +266,7 @@ def shard_tp_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: 
                                       f"divisible by the size {tp.size} of tensor axis {tp.axis!r}")
     check_params({n: jax.ShapeDtypeStruct(tp.local_shape(n, np.shape(a)) if n in dims else np.shape(a),
                                           jnp.result_type(a)) for n, a in params.items()}, layouts)
-    params = {k: onto_mesh(v, mesh) for k, v in params.items()}
+    params = onto_mesh(dict(params), mesh)
     sharding = NamedSharding(mesh, P(tp.axis, axis))
     shardings = {lay.name: sharding for lay in layouts}
     dtypes = {lay.name: jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts}

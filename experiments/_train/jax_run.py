@@ -8,7 +8,9 @@ the mesh: the values equal ``Llama(config, rngs=nnx.Rngs(seed))`` at every devic
 trains as the MoE decoder under ``parallelize_moe`` on a ``(replica?, ep, fsdp)`` mesh (``--ep``): it is
 built in full on each process and sharded (``ExpertParallel.shard_params``), so CPU-sized presets only.
 A checkpoint is each process's addressable shards of the buffers and the optimizer state
-(``process_<i>.npz``), so a resume needs the same mesh, and restores every bit.
+(``process_<i>.npz``), so a resume needs the same mesh, and restores every bit; with ``--checkpoint-format
+orbax`` it is an Orbax ``CheckpointManager`` step (async) of ``fsdp.checkpoint_tree`` in ``<dir>/orbax``,
+per-parameter arrays that restore onto any mesh (docs/orbax.md).
 """
 
 from __future__ import annotations
@@ -118,6 +120,34 @@ def optimizer(args, fsdp):
 
 
 # ----- checkpoints: each process's addressable shards ----------------------------------------------------
+class OrbaxCheckpoints:
+    """``--checkpoint-format orbax``: an async ``CheckpointManager`` of ``fsdp.checkpoint_tree`` (params,
+    the optimizer state as optax has it on the full params, the model state), restorable on any mesh."""
+
+    def __init__(self, root: Path, fsdp, opt):
+        import orbax.checkpoint as ocp
+
+        self.ocp, self.fsdp, self.opt = ocp, fsdp, opt
+        self.manager = ocp.CheckpointManager(root / "orbax", options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, enable_async_checkpointing=True))
+
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def load(self, step: int) -> tuple:
+        target = self.fsdp.abstract_checkpoint_tree(self.opt)
+        tree = self.manager.restore(step, args=self.ocp.args.StandardRestore(target))
+        return self.fsdp.from_checkpoint_tree(tree, self.opt)
+
+    def save(self, step: int, buffers, state, model_state) -> None:
+        tree = self.fsdp.checkpoint_tree(buffers, self.opt, state, model_state)
+        self.manager.save(step, args=self.ocp.args.StandardSave(tree))  # written while training goes on
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
 def save(path: Path, state: tuple) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
@@ -208,7 +238,13 @@ def run(args, name: str, config: ragged.models.LlamaConfig | ragged.models.MoeCo
     opt = optimizer(args, fsdp)
     state = fsdp.init(opt, buffers)
     first = 0
-    if (found := checkpoints.latest(ckpt_root)) is not None:
+    orbax = None if ckpt_root is None or args.checkpoint_format != "orbax" else OrbaxCheckpoints(
+        ckpt_root, fsdp, opt)
+    if orbax is not None and (step := orbax.latest()) is not None:
+        first = step
+        buffers, state, restored_state = orbax.load(step)
+        model_state = model_state if restored_state is None else restored_state
+    elif orbax is None and (found := checkpoints.latest(ckpt_root)) is not None:
         first, path = found
         buffers, state = load(path, (buffers, state))
     step_fn = fsdp.train_step(opt, loss_fn)
@@ -240,7 +276,12 @@ def run(args, name: str, config: ragged.models.LlamaConfig | ragged.models.MoeCo
                 os._exit(17)
             done = step + 1
             if ckpt_root is not None and (done % args.save_interval == 0 or done == args.steps):
-                save(checkpoints.step_dir(ckpt_root, done), (buffers, state))
+                if orbax is not None:
+                    orbax.save(done, buffers, state, model_state)
+                else:
+                    save(checkpoints.step_dir(ckpt_root, done), (buffers, state))
+    if orbax is not None:
+        orbax.close()
     summary = monitor.print_summary(f"JAX, {world} device(s) in {jax.process_count()} process(es)")
     if jax.process_count() > 1:
         jax.distributed.shutdown()

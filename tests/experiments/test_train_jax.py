@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from tests.experiments._train_launch import LOSS_RTOL, ROOT, TINY, env, finish, losses, start_jax
+from tests.experiments._train_launch import LOSS_RTOL, ROOT, TINY, env, finish, log_records, losses, start_jax
 
 STEPS = 4
 
@@ -57,3 +57,29 @@ def test_tensor_parallel_run_matches_one_device_and_resumes_bit_exactly(tmp_path
     assert [got[s] for s in (2, 3)] == [before[s] for s in (2, 3)]  # resumed bit for bit
     np.testing.assert_allclose([got[s] for s in range(STEPS)], [want[s] for s in range(STEPS)],
                                rtol=LOSS_RTOL)
+
+
+def test_resumes_from_an_orbax_checkpoint_written_on_another_mesh(tmp_path):
+    """``--checkpoint-format orbax``: 4 host devices, an async Orbax checkpoint after every step, killed
+    after step 3 (its last checkpoint may be cut off, as in a real job; the one before is complete, since
+    Orbax finishes a save before it starts the next), relaunched on 2 devices, whose units are planned
+    anew: the resumed steps equal the first launch's (the uninterrupted run) within LOSS_RTOL, the
+    summation order of another device count."""
+    run = tmp_path / "run"
+
+    def train(devices: int, fail_after: int | None = None) -> None:
+        failing = [] if fail_after is None else ["--fail-after-step", str(fail_after)]
+        done = subprocess.run([sys.executable, "-m", "experiments.train", "--stack", "jax", *TINY, "--steps",
+                               str(STEPS), "--checkpoint-dir", str(run), "--save-interval", "1",
+                               "--checkpoint-format", "orbax", *failing], cwd=ROOT, env=env(devices),
+                              capture_output=True, text=True, timeout=240)
+        assert (done.returncode == 0) == (fail_after is None), done.stdout[-3000:] + done.stderr[-3000:]
+
+    train(4, fail_after=3)
+    first = {r["step"]: r["loss"] for r in log_records(run / "log.jsonl")}
+    assert sorted(first) == list(range(STEPS))
+    train(2)
+    resumed = log_records(run / "log.jsonl")[STEPS:]
+    steps = [r["step"] for r in resumed]
+    assert steps in ([2, 3], [3]), steps  # from the checkpoint after step 1 or 2, not from scratch
+    np.testing.assert_allclose([r["loss"] for r in resumed], [first[s] for s in steps], rtol=LOSS_RTOL)

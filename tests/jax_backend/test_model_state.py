@@ -15,21 +15,27 @@ import optax
 import pytest
 from flax import nnx
 
-from jax_backend import LayoutMismatchError, UnitError, make_mesh, shard_model
+from jax_backend import LayoutMismatchError, UnitError, flatten_params, make_mesh, shard_model
 from tests.jax_backend.jax_reference import FP32_EPS, rel_err
 from tests.jax_backend.vision_models import (
     CNN,
     STEPS,
     ViT,
+    assert_params_near,
+    assert_state_close,
     cross_entropy,
+    data_parallel_steps,
     image_batches,
+    near_error,
+    per_device_state,
+    state_leaves,
     train_data_parallel,
 )
 
-MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 8: ((8,), ("fsdp",)),
-          "2x4": ((2, 4), ("replica", "fsdp"))}
+MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 4: ((4,), ("fsdp",)), 8: ((8,), ("fsdp",)),
+          "2x2": ((2, 2), ("replica", "fsdp")), "2x4": ((2, 4), ("replica", "fsdp"))}
 MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
-DEVICES = {1: 1, 3: 3, 8: 8, "2x4": 8}
+DEVICES = {1: 1, 3: 3, 4: 4, 8: 8, "2x2": 4, "2x4": 8}
 # The reference does each device's arithmetic itself (its rows, its BatchNorm means, its Dropout keys), so
 # what differs is the order of the sums across devices (the reduce-scatter against the mean of the devices'
 # gradients) and XLA's kernels: fp32 rounding, one per step. SGD with momentum, not AdamW: its update is
@@ -47,21 +53,6 @@ def sgd() -> optax.GradientTransformation:
     return optax.sgd(0.05, momentum=0.9)
 
 
-def near_error(a, b) -> float:
-    """``||a - b||`` over ``max(||b||, sqrt(numel))``: relative for tensors of RMS one or more, absolute RMS
-    below. Values near zero are sums that cancel (biases near their zero init, BatchNorm's mean of
-    activations centred near zero: 1e-5 for batch_norm1): they carry the rounding of their terms, of RMS
-    about one, and relative to themselves it is of order one."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), np.sqrt(b.size)))
-
-
-def assert_params_near(got: dict, want: dict, tol: float) -> None:
-    assert sorted(got) == sorted(want)
-    for k in want:
-        assert near_error(got[k], want[k]) <= tol, (k, near_error(got[k], want[k]))
-
-
 def shard(model, mesh_key, **kw):
     shape, names = MESHES[mesh_key]
     return shard_model(model, make_mesh(shape, names), replica_axis="replica" if len(shape) == 2 else None,
@@ -77,23 +68,6 @@ def train(fsdp, model, images, labels, opt=None, buffers=None, model_state=None)
         buffers, state, loss, model_state = step(buffers, state, x, y, model_state)
         losses.append(float(loss))
     return losses, {k: np.asarray(v) for k, v in fsdp.full_params(buffers).items()}, model_state
-
-
-def state_leaves(state) -> dict:
-    """``{path: np.ndarray}`` of a model state, PRNG keys as their key data."""
-    def plain(x):
-        return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
-    return {jax.tree_util.keystr(p): plain(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
-
-
-def assert_state_close(got, want, rtol):
-    got, want = state_leaves(got), state_leaves(want)
-    assert list(got) == list(want)
-    for k in want:
-        if np.issubdtype(want[k].dtype, np.floating):
-            assert near_error(got[k], want[k]) <= rtol, (k, near_error(got[k], want[k]), got[k], want[k])
-        else:
-            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +201,65 @@ def test_abstract_model_with_batchnorm_and_dropout_initializes_all_its_state(mni
     assert rel_err(got[0], want[0]) <= RTOL
     assert_params_near(got[1], want[1], RTOL)
     assert_state_close(got[2], want[2], RTOL)
+
+
+def _decay_matrices_sgd() -> optax.GradientTransformation:
+    """Weight decay on the matrices only, then SGD with momentum: not one element-wise program for every
+    parameter, so the step runs it on the parameters' pieces (a ``ShardedState``)."""
+    mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+    return optax.chain(optax.add_decayed_weights(1e-2, mask=mask), sgd())
+
+
+@pytest.mark.parametrize("target, opt", [(3, sgd), ("2x2", _decay_matrices_sgd)])
+def test_training_moves_to_another_mesh_with_its_optimizer_and_model_state(target, opt):
+    """Issue 35: three steps at 4 devices, then two on a mesh of other devices (3, HSDP 2 x 2) by the
+    documented path: ``full_params``, ``full_optimizer_state``, ``full_model_state(device=0)`` copied into
+    a fresh model, then the new FSDP's ``shard_params``, ``shard_optimizer_state``, ``shard_model_state``
+    (all of which take the old mesh's arrays, or one device's). The reference is flax and optax on one
+    device doing the same: 4-way data parallelism, then device 0's model state re-stacked for the new size
+    (its RNG keys folded with the new devices' indices) and data parallelism at that size. BatchNorm
+    statistics, Dropout counts and keys, the user's optimizer state (momentum; the masked decay's pieces)
+    all carry over."""
+    opt = opt()
+    images, labels = image_batches((28, 28, 1), steps=5)
+    model, units = CNN(nnx.Rngs(0), rate=0.2), ["conv2", "batch_norm2", "linear1"]
+    fsdp4 = shard(model, 4, units=units)
+    buffers = fsdp4.shard_params(model)
+    opt_state, model_state = fsdp4.init(opt, buffers), fsdp4.shard_model_state(model)
+    step, losses = fsdp4.train_step(opt, cross_entropy), []
+    for x, y in zip(images[:3], labels[:3]):
+        buffers, opt_state, loss, model_state = step(buffers, opt_state, x, y, model_state)
+        losses.append(float(loss))
+
+    fresh = CNN(nnx.Rngs(1), rate=0.2)
+    nnx.update(fresh, fsdp4.full_model_state(model_state, device=0))
+    fsdp = shard(fresh, target, units=units)
+    buffers = fsdp.shard_params(fsdp4.full_params(buffers))
+    opt_state = fsdp.shard_optimizer_state(opt, fsdp4.full_optimizer_state(opt, opt_state))
+    model_state = fsdp.shard_model_state(fresh)
+    assert_state_close(fsdp.init_model_state(lambda: fresh), model_state, 0.0)  # the same from a closure
+    one_device = jax.device_put(nnx.state(fresh, nnx.Not(nnx.Param)), jax.devices()[7])  # and from one device
+    assert_state_close(fsdp.stack_model_state(one_device), model_state, 0.0)
+    step = fsdp.train_step(opt, cross_entropy)
+    for x, y in zip(images[3:], labels[3:]):
+        buffers, opt_state, loss, model_state = step(buffers, opt_state, x, y, model_state)
+        losses.append(float(loss))
+
+    graphdef, params, state = nnx.split(model, nnx.Param, ...)
+    ref_losses, params, ref_opt, states = data_parallel_steps(
+        graphdef, params, opt.init(params), per_device_state(state, 4), images[:3], labels[:3], 4, opt)
+    n = DEVICES[target]
+    states = per_device_state(jax.tree.map(lambda a: a[0], states), n)
+    more, params, ref_opt, states = data_parallel_steps(graphdef, params, ref_opt, states, images[3:],
+                                                        labels[3:], n, opt)
+    rtol = 5 * FP32_EPS  # one fp32 rounding per step, as RTOL
+    assert rel_err(losses, ref_losses + more) <= rtol, (losses, ref_losses + more)
+    assert_params_near({k: np.asarray(v) for k, v in fsdp.full_params(buffers).items()},
+                       {k: np.asarray(v) for k, v in flatten_params(params).items()}, rtol)
+    assert_state_close(model_state, states, rtol)
+    got_opt, want_opt = (jax.tree.leaves(o) for o in (fsdp.full_optimizer_state(opt, opt_state), ref_opt))
+    assert len(got_opt) == len(want_opt) and all(
+        near_error(a, b) <= rtol for a, b in zip(got_opt, want_opt))
 
 
 def test_a_model_with_state_needs_its_model_state(mnist):

@@ -19,6 +19,8 @@ ordinary single-device ``nnx`` training.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,8 +136,16 @@ def train_data_parallel(model: nnx.Module, images: np.ndarray, labels: np.ndarra
     (dim 0: the device)."""
     opt = adamw() if opt is None else opt
     graphdef, params, state = nnx.split(model, nnx.Param, ...)
-    states = per_device_state(state, n)
+    losses, params, _, states = data_parallel_steps(graphdef, params, opt.init(params),
+                                                    per_device_state(state, n), images, labels, n, opt)
+    return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}, states
 
+
+def data_parallel_steps(graphdef: nnx.GraphDef, params: nnx.State, opt_state: Any, states: nnx.State,
+                        images: np.ndarray, labels: np.ndarray, n: int,
+                        opt: optax.GradientTransformation) -> tuple[list, nnx.State, Any, nnx.State]:
+    """``train_data_parallel``'s steps from given Params, optimizer state and per-device model states:
+    the losses and the three after the steps (to continue the run, at another ``n`` too)."""
     def device_loss(p, st, x, y):
         m = nnx.merge(graphdef, p, jax.tree.map(lambda a: a, st))
         loss = cross_entropy(m(x), y)
@@ -152,8 +162,40 @@ def train_data_parallel(model: nnx.Module, images: np.ndarray, labels: np.ndarra
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, new, loss
 
-    opt_state, losses = opt.init(params), []
+    losses = []
     for x, y in zip(images, labels):
         params, opt_state, states, loss = step(params, opt_state, states, x, y)
         losses.append(float(loss))
-    return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}, states
+    return losses, params, opt_state, states
+
+
+def near_error(a, b) -> float:
+    """``||a - b||`` over ``max(||b||, sqrt(numel))``: relative for tensors of RMS one or more, absolute RMS
+    below. Values near zero are sums that cancel (biases near their zero init, BatchNorm's mean of
+    activations centred near zero: 1e-5 for batch_norm1): they carry the rounding of their terms, of RMS
+    about one, and relative to themselves it is of order one."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), np.sqrt(b.size)))
+
+
+def assert_params_near(got: dict, want: dict, tol: float) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert near_error(got[k], want[k]) <= tol, (k, near_error(got[k], want[k]))
+
+
+def state_leaves(state) -> dict:
+    """``{path: np.ndarray}`` of a model state, PRNG keys as their key data."""
+    def plain(x):
+        return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+    return {jax.tree_util.keystr(p): plain(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def assert_state_close(got, want, rtol):
+    got, want = state_leaves(got), state_leaves(want)
+    assert list(got) == list(want)
+    for k in want:
+        if np.issubdtype(want[k].dtype, np.floating):
+            assert near_error(got[k], want[k]) <= rtol, (k, near_error(got[k], want[k]), got[k], want[k])
+        else:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
