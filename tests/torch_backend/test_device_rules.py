@@ -27,7 +27,7 @@ CUDA = torch.device("cuda")
 ])
 def test_the_default_mesh_is_on_the_device_its_backend_serves(monkeypatch, backend, accelerator, want):
     made = []
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: accelerator)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available: accelerator)
     monkeypatch.setattr(_fully_shard.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(_fully_shard.dist, "get_backend", lambda: backend)
     monkeypatch.setattr(_fully_shard.dist, "get_world_size", lambda: 4)

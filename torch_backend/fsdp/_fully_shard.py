@@ -162,7 +162,7 @@ def mesh_device_type(backend: str) -> str:
     ("cpu:gloo,cuda:nccl") that names it, or "undefined" (``init_process_group()`` without a backend,
     which gives each device its default backend); else the CPU ("gloo").
     """
-    accelerator = torch.accelerator.current_accelerator()
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None: no device here
     if accelerator is None:
         return "cpu"
     if backend == "undefined":
