@@ -16,8 +16,8 @@ def _dists(**versions):
 
 def test_every_torch_and_jax_distribution_is_pinned_to_what_is_installed(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distributions",
-                        _dists(torch="2.11.0+cu130", jax="0.11.2", jaxlib="0.11.2", jax_cuda13_plugin="0.11.2",
-                               flax="0.12.8", numpy="2.4.6"))
+                        _dists(torch="2.11.0+cu130", jax="0.11.2", jaxlib="0.11.2",
+                               jax_cuda13_plugin="0.11.2", flax="0.12.8", numpy="2.4.6"))
     assert env_pins.pins() == ["jax==0.11.2", "jax-cuda13-plugin==0.11.2", "jaxlib==0.11.2",
                                "torch==2.11.0+cu130"]
 
