@@ -181,9 +181,9 @@ def _tiny_against_plain(report: Report, mesh, device) -> None:
                not any(u.compute.full_allocated or u.grads.full_allocated for u in us))
 
 
-def _eight_b_layers(kind: str, mesh, device):
-    """Two llama3-8b-shaped layers (32k vocabulary) built on the GPU with torch's default init, then
-    sharded by ours or FSDP2 (as torchtitan wraps a llama), bf16 compute and fp32 master weights."""
+def _eight_b_layers(kind: str, mesh, device, config=None):
+    """Two llama3-8b-shaped layers (32k vocabulary; or ``config``) built on ``device`` with torch's default
+    init, then sharded by ours or FSDP2 (as torchtitan wraps a llama), bf16 compute, fp32 master weights."""
     import torch
     from torch.distributed import fsdp
 
@@ -192,7 +192,7 @@ def _eight_b_layers(kind: str, mesh, device):
     from torch_backend.models import Llama, parallelize
 
     with torch.device(device):
-        model = Llama(LlamaConfig(32768, 4096, 2, 32, 8, 128, 14336))
+        model = Llama(config or LlamaConfig(32768, 4096, 2, 32, 8, 128, 14336))
     if kind == "ours":
         return parallelize(model, mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     mp = fsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
