@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup install-into-env clean
 
 setup: $(STAMP)
 
@@ -14,6 +14,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,experiments]"
 	touch $(STAMP)
+
+# A GPU machine or cluster whose environment has its own CUDA torch (>= 2.11) and JAX (with its CUDA plugin):
+# install the project into it (PYTHON=that environment's python), pinned to the torch and JAX it has, so pip
+# adds only what is missing and replaces neither (experiments/env_pins.py; no .venv, no constraints.txt).
+install-into-env:
+	$(PYTHON) -m experiments.env_pins > .env-pins.txt
+	$(PYTHON) -m pip install -c .env-pins.txt -e .; status=$$?; rm -f .env-pins.txt; exit $$status
 
 demo: $(STAMP)
 	$(PY) -m experiments.demo

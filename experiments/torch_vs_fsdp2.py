@@ -32,7 +32,7 @@ mesh. No compiled row with TP.
     python -m experiments.torch_vs_fsdp2     # writes experiments/results/torch_vs_fsdp2.{json,md}
     python -m experiments.torch_vs_fsdp2 --tp 2 --no-compiled   # experiments/results/torch_vs_fsdp2_tp2.*
     python -m experiments.torch_vs_fsdp2 --device cuda --world 1 --model llama3.2-1b --dtype bf16 \
-        --batch 4 --seq 2048 --out gpu_torch_vs_fsdp2     # one GPU, NCCL (experiments/gpu_bench.sh)
+        --batch 4 --seq 2048 --out gpu_torch_vs_fsdp2     # one GPU, NCCL
 """
 
 from __future__ import annotations

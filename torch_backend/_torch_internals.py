@@ -6,6 +6,11 @@ machinery; the FSDP runtime uses the few autograd and DTensor internals FSDP2 it
 imported or wrapped here and nowhere else. Importing this module only reads torch (it patches nothing)
 and checks it (``_check_torch``): a torch older than 2.11, or one that lacks an internal, raises here at
 import instead of failing later inside a patch or a backward; a torch newer than 2.13 warns.
+
+Runs on 2.13 here; against 2.11.0 (the GPU image's) it was checked by reading that release's source:
+every name below exists, and the functions the patches wrap or rebind have the same signatures and
+decorators, except two that grew on 2.13: ``DTensor.from_local`` gained ``grad_placements`` (which
+nothing here passes) and ``_ToTorchTensor.backward`` accepts ``None`` (the patch tests for it first).
 """
 
 from __future__ import annotations
@@ -170,6 +175,7 @@ def _check_torch() -> None:
             ("_ToTorchTensor", dt_api),
             ("_mesh_resources", dt_api),
             ("propagate_op_sharding_non_cached", ShardingPropagator),
+            ("_propagate_tensor_meta_non_cached", ShardingPropagator),
             ("_custom_op_handlers", DTensor._op_dispatcher),  # and read by loss_parallel_active
             ("_dispatch_get_local_results_slow_path", DTensor._op_dispatcher),
             ("__create_write_items__", DTensor),

@@ -3,7 +3,7 @@
 A calibration file is JSON (``load_calibration``)::
 
     {"format": "ragged-simulate-calibration/1",
-     "source": "where the times come from (a paper's table, a gpu_bench run)",
+     "source": "where the times come from (a paper's table, a gpu_check run)",
      "hardware": "h800", "model": "gpt-oss-120b", "method": "fsdp2", "gpus": 64, "replicas": 1,
      "unit": "layers.0", "batch_per_device": 1, "seq_len": 4096, "dtype": "bf16",
      "measured_ms": {"all_gather": 43.71, "ag_copy_out": 5.22, "reduce_scatter": 94.24, "rs_copy_in": 12.37}}

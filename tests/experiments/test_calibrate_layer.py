@@ -1,6 +1,7 @@
 """experiments.calibrate_layer writes what ``ragged simulate --calibration`` takes: measured on gloo ranks
 on this CPU, described by a hardware profile file (profiles are data), the calibrated model reproduces the
-measured times. The CUDA path is the same code with CUDA events and NCCL (experiments/gpu_bench.sh)."""
+measured times. The CUDA path is the same code with CUDA events and NCCL (the calibrate stage of
+experiments/gpu_check.sh)."""
 
 import json
 import subprocess

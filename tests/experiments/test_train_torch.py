@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import resource
-import subprocess
 import sys
 
 import numpy as np
@@ -20,7 +19,7 @@ import ragged
 import ragged.models
 from experiments._train.data import TokenSource
 from experiments.train import main
-from tests.experiments._train_launch import LOSS_RTOL, ROOT, TINY, losses, run, torchrun
+from tests.experiments._train_launch import LOSS_RTOL, TINY, losses, run, torchrun
 
 STEPS, LR, WD = 5, 3e-3, 0.1
 
@@ -267,17 +266,6 @@ def test_token_file_rows_are_slices_of_the_file_and_split_over_ranks(tmp_path):
     assert not np.array_equal(data.rows(8, 0, 6), rows)
     with pytest.raises(ValueError, match="token id .* is not below the model's vocabulary of 10"):
         TokenSource(10, 16, 6, path=str(path)).rows(0, 0, 6)
-
-
-def test_gpu_bench_exits_clearly_without_a_gpu(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is here: gpu_bench.sh would run the benchmark")
-    env = {"PATH": "/usr/bin:/bin", "RESULTS": str(tmp_path), "PYTHON": sys.executable}
-    result = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_bench.sh")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 2
-    assert "no GPU" in result.stdout + result.stderr
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_ep_that_does_not_divide_the_shard_group_is_refused_and_auto_hsdp_respects_it(capsys):

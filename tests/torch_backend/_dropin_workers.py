@@ -266,6 +266,7 @@ def _reshard_after_forward(mesh, rank: int, world: int) -> dict:
         model(x)
         out["int_2_state"] = {u.name: [u.state.value, 0 if u._grouped is None else u._grouped.numel(),
                                        u.layout.total_numel] for u in units(model)}
+        out["int_2_groups"] = len({id(u.post_forward_group) for u in units(model)})  # one mesh: shared
     out["int_bad"] = raised(lambda: shard(build(), mesh, "ours", reshard_after_forward=world + 1))
     return out
 

@@ -72,6 +72,7 @@ def test_reshard_after_forward_method_and_int_forms(world):
         assert_trains(r["int_2"])
         for name, (state, kept, total) in r["int_2_state"].items():  # the root too: an explicit value
             assert (state, kept) == ("grouped", total // 2), (name, r["int_2_state"])
+        assert r["int_2_groups"] == 1  # the units of one mesh share its post-forward communicators
 
 
 @pytest.mark.parametrize("world", [2, 4])

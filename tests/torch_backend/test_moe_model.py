@@ -150,3 +150,21 @@ def test_an_ep_ranks_experts_unit_is_the_cores_expert_parallel_plan(name, ep, fs
     for layer, unit in zip(moe_layers, units):
         _keep_local_experts(layer.feed_forward.experts, n_local, 2 * n_local)
         assert plan_module(layer.feed_forward.experts, fsdp, granularity, root=model) == unit.local
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "gpt-oss-tiny"])
+def test_an_moe_layer_forward_reads_the_host_once(name):
+    """The dispatch reads the per-expert counts once, whatever the number of experts that got tokens
+    (a GPU sync each; a loop with one ``nonzero`` per expert would make ``1 + E`` of them)."""
+    from tests.torch_backend.host_reads import host_reads
+
+    c = MOE_CONFIGS[name]
+    model = MoEDecoder(c)
+    model.init_weights(0)
+    moe = model.layers[c.n_dense_layers].feed_forward
+    x = tokens(64, c.dim)
+    chosen = moe.router(x)[1]
+    assert len(chosen.unique()) == c.n_experts  # every expert got tokens: the old loop read 2 + E times
+    with host_reads() as reads:
+        moe(x[None])
+    assert reads.total == 1, reads.counts

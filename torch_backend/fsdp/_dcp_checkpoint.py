@@ -157,7 +157,7 @@ def load_dcp_checkpoint(path: str | os.PathLike, model: nn.Module,
                 for key, meta in saved.items():
                     prefix = f"optim.{name}."
                     if key.startswith(prefix) and "." not in key[len(prefix):]:
-                        state = _like(p, tuple(meta.size), how)
+                        state = _like(p, tuple(meta.size), how, _scalar_device(optimizer, p))
                         target[key] = _view(how, state, p)
                         fresh[key] = (p, key[len(prefix):], state)
         dcp.load(target, checkpoint_id=str(path))
@@ -169,10 +169,20 @@ def load_dcp_checkpoint(path: str | os.PathLike, model: nn.Module,
         optimizer.state[p][name] = state
 
 
-def _like(param: nn.Parameter, size: tuple[int, ...], how: CheckpointAs | None) -> torch.Tensor:
-    """A zero destination for a saved optimizer tensor: the parameter's placement, or a plain scalar."""
+def _like(param: nn.Parameter, size: tuple[int, ...], how: CheckpointAs | None,
+          scalar_device: torch.device) -> torch.Tensor:
+    """A zero destination for a saved optimizer tensor: the parameter's placement, or a plain scalar on
+    ``scalar_device``."""
     saved_shape = tuple(param.shape if how is None or how.shape is None else how.shape)
     if size == saved_shape and isinstance(param, DTensor):
         local = torch.zeros_like(param.to_local())
         return make_dtensor(local, param.device_mesh, param.placements, param.shape)
-    return torch.zeros(size, dtype=torch.float32)
+    return torch.zeros(size, dtype=torch.float32, device=scalar_device)
+
+
+def _scalar_device(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> torch.device:
+    """Where torch keeps ``param``'s scalar optimizer state (``step``), as ``Optimizer.load_state_dict``
+    puts it: on the parameter's device for a fused or capturable optimizer (its kernels read ``step``
+    there), else on the CPU."""
+    group = next(g for g in optimizer.param_groups if any(q is param for q in g["params"]))
+    return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -152,8 +153,26 @@ def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("fully_shard: no mesh given and torch.distributed is not initialised; call "
                            "dist.init_process_group first or pass mesh=")
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(mesh_device_type(dist.get_backend()), (dist.get_world_size(),))
+
+
+def mesh_device_type(backend: str) -> str:
+    """The device type of the default mesh over a process group of ``backend`` (``dist.get_backend()``).
+
+    The machine's accelerator (cuda, xpu) when the backend serves it: "nccl", a per-device string
+    ("cpu:gloo,cuda:nccl") that names it, or "undefined" (``init_process_group()`` without a backend,
+    which gives each device its default backend); else the CPU ("gloo").
+    """
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None: no device here
+    if accelerator is None:
+        return "cpu"
+    if backend == "undefined":
+        return accelerator.type
+    if ":" in backend:
+        served = {entry.split(":")[0] for entry in backend.split(",")}
+    else:
+        served = {device for device, b in dist.Backend.default_device_backend_map.items() if b == backend}
+    return accelerator.type if accelerator.type in served else "cpu"
 
 
 def _check_mesh_covers(mesh: DeviceMesh) -> None:
@@ -352,11 +371,21 @@ def _resolve_reshard_after_forward(value: bool | int | None, mesh: DeviceMesh) -
     return value
 
 
+# Post-forward groups by mesh and size: each DeviceMesh makes new communicators (on NCCL, new NCCL
+# communicators and their memory), so the units of one mesh share them. Every rank shards the same units
+# in the same order, so every rank builds a mesh's groups at the same call.
+_POST_FORWARD_GROUPS: weakref.WeakKeyDictionary[DeviceMesh, dict[int, tuple[dist.ProcessGroup, int]]] = (
+    weakref.WeakKeyDictionary())
+
+
 def _post_forward_group(mesh: DeviceMesh, size: int) -> tuple[dist.ProcessGroup, int]:
     """FSDP2's post-forward mesh: the shard dim's ranks in consecutive groups of ``size``; this rank's
-    group and its index there."""
-    groups = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
-    return groups.get_group(1), groups.get_local_rank(1)
+    group and its index there (built once per mesh and size)."""
+    by_size = _POST_FORWARD_GROUPS.setdefault(mesh, {})
+    if size not in by_size:
+        groups = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
+        by_size[size] = groups.get_group(1), groups.get_local_rank(1)
+    return by_size[size]
 
 
 def _check_placements(shard_placement_fn: Callable[[nn.Parameter], object] | None, params: list) -> None:

@@ -7,7 +7,8 @@ The attention, norms and SwiGLU are the llama's (``llama.py``); ``ragged.models.
 each option means and ``ragged.models.moe_shapes`` lists the parameters in ``named_parameters()`` order.
 
 Tokens reach their experts as in HuggingFace's MoE layers: a loop over the experts that got tokens, each
-gathering its tokens, running, and adding its weighted output back with ``index_add``. Which experts run
+gathering its tokens (cut from one sort by expert), running, and adding its weighted output back with
+``index_add``. Which experts run
 therefore depends on the data; no parallelism code lives here (``parallelize.py`` applies ``fully_shard``
 with each layer's experts inside the layer's unit, which is what makes that safe).
 """
@@ -70,11 +71,18 @@ def route_tokens(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, cho
     """``sum_k weights[n, k] expert_{chosen[n, k]}(x[n])``, running only the experts that got tokens.
 
     x: (N, dim); weights, chosen: (N, k) -> (N, dim). ``experts.expert(e, tokens)`` runs expert ``e``.
+    The ``N k`` assignments are sorted by expert (stably, so each expert's tokens stay in ascending
+    order) and cut at the per-expert counts: reading the counts is the one host sync of the layer (on
+    a GPU each ``nonzero`` would be another).
     """
+    k = chosen.shape[1]
+    order = torch.argsort(chosen.flatten(), stable=True)  # (N k,) assignments grouped by expert
+    counts = torch.bincount(chosen.flatten(), minlength=experts.n_experts).tolist()  # the host sync
     out = torch.zeros_like(x)
-    counts = torch.bincount(chosen.flatten(), minlength=experts.n_experts)
-    for e in counts.nonzero().flatten().tolist():
-        token, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens that chose e, and in which slot
+    for e, rows in enumerate(order.split(counts)):
+        if len(rows) == 0:
+            continue
+        token, slot = rows // k, rows % k  # the tokens that chose e, and in which slot
         y = experts.expert(e, x[token]) * weights[token, slot, None].to(x.dtype)
         out = out.index_add(0, token, y)
     return out

@@ -153,6 +153,11 @@ def start_all_to_all(
     arrived and returns the local output (``out_numel`` elements). On CUDA with ``stream`` the packing and
     the exchange run on that stream after the current stream's work, and finishing makes the then current
     stream wait for them (``side_stream``); on CPU the exchange runs on the backend's own thread.
+
+    The side stream reads ``flat`` (packing), so the finisher holds it until the current stream waits
+    for that read: a caller that drops ``flat`` (a temporary ``torch.cat``, Newton-Schulz's output) cannot
+    have its memory handed to the current stream's next kernels while the side stream still reads it.
+    ``flat`` must not be written before the finisher is called.
     """
     out = flat.new_empty(out_numel)
     for t in plan:
@@ -175,7 +180,9 @@ def start_all_to_all(
         pending = all_to_all(recv_buf, send_buf, out_splits, in_splits, group, label=what)
 
     def finish() -> torch.Tensor:
-        pending.wait()
+        nonlocal flat
+        pending.wait()  # the current stream now waits for the side stream, hence for its read of flat,
+        flat = None  # so flat's memory may go back to the current stream's pool
         pos = 0
         for t in sorted(recvs, key=_by_src):
             out[t.dst_offset : t.dst_offset + t.length] = recv_buf[pos : pos + t.length]
