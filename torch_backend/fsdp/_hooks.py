@@ -21,6 +21,7 @@ every forward since the last backward ended, and that backward: several forwards
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -278,6 +279,31 @@ def _check_one_unit_per_parameter(tops: tuple[nn.Module, ...], states: list[FSDP
             owner[orig] = fqn
 
 
+# Per default process group: {shard ranks: the reduce-scatters' group}, made once for every model.
+_REDUCE_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reduce_scatter_groups(shard_groups: list[dist.ProcessGroup]) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """A process group of their own for the reduce-scatters of each set of shard ranks.
+
+    A rank issues each reduce-scatter when its unit's backward is over, which may come before or after
+    another rank's next all-gather; on separate groups the two orders never meet. Every rank calls
+    ``new_group`` for every set any rank needs, in one order (one ``all_gather_object`` tells them
+    the sets; under expert parallelism each rank knows only its own), so the groups get the global
+    counter's names, never a name an earlier group of the same ranks had (``use_local_synchronization``
+    hashes the ranks: a second model's group would meet the first one's rendezvous keys).
+    """
+    made = _REDUCE_GROUPS.setdefault(dist.group.WORLD, {})
+    mine = sorted({tuple(dist.get_process_group_ranks(g)) for g in shard_groups})
+    if all(ranks in made for ranks in mine):  # every rank runs the same models: all agree on this
+        return made
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for ranks in sorted(set().union(*map(tuple, everyone)) - set(made)):
+        made[ranks] = dist.new_group(list(ranks))
+    return made
+
+
 class RootContext:
     """Bookkeeping shared by every unit under the root: the schedule, the step, CUDA streams."""
 
@@ -299,16 +325,10 @@ class RootContext:
         device = units[0].device if units else None
         cuda = device is not None and device.type == "cuda"
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
-        # Reduce-scatters get a process group of their own per set of shard ranks: a rank issues each
-        # when its unit's backward is over, which may come before or after another rank's next
-        # all-gather; on separate groups the two orders never meet.
-        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        groups = reduce_scatter_groups([u.shard_group for u in units])
         for unit in units:
             if unit.reduce_group is unit.shard_group:
-                ranks = tuple(dist.get_process_group_ranks(unit.shard_group))
-                if ranks not in groups:
-                    groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-                unit.reduce_group = groups[ranks]
+                unit.reduce_group = groups[tuple(dist.get_process_group_ranks(unit.shard_group))]
         for s in self.states:
             s.root = self
             if s.unit is not None:
