@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -38,3 +39,11 @@ def baseline(model: Llama, batches: np.ndarray, reference):
     """``baseline(n)``: the reference's recipe as GSPMD data parallelism over n devices (the bound of
     jax_reference.within_baseline), trained once per n; on one device it is the reference itself."""
     return functools.cache(lambda n: reference if n == 1 else train_reference(model, batches, devices=n))
+
+
+@pytest.fixture
+def x64():
+    """The test computes in float64: ``jax_enable_x64`` for its duration only (jit keys its caches on it, so
+    the fp32 tests' programs are not reused)."""
+    with jax.enable_x64(True):
+        yield

@@ -65,9 +65,9 @@ def rel_err(a, b) -> float:
 
 
 def param_errors(got: dict, want: dict) -> dict:
-    """``{fqn: rel_err}`` of each tensor, the got values read as float32."""
+    """``{fqn: rel_err}`` of each tensor (bf16, fp32 or float64 values, compared in float64)."""
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
-    return {k: rel_err(jnp.asarray(got[k], jnp.float32), want[k]) for k in want}
+    return {k: rel_err(got[k], want[k]) for k in want}
 
 
 def assert_params_close(got: dict, want: dict, rtol: float) -> None:
@@ -79,6 +79,45 @@ def assert_params_close(got: dict, want: dict, rtol: float) -> None:
 def params_distance(got: dict, want: dict) -> float:
     """The worst tensor's relative error: how far a run's parameters are from the reference's."""
     return max(param_errors(got, want).values())
+
+
+def float64(model: nnx.Module) -> nnx.Module:
+    """A copy of ``model`` with its parameters in float64 (exact from fp32); use it under
+    ``jax.enable_x64(True)``, where its programs compute in float64."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    with jax.enable_x64(True):
+        params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+    return nnx.merge(graphdef, params, rest)
+
+
+# Parity bounds (issue 32). A sharded run cannot equal the reference bit for bit: each device sums its own
+# rows and the reduce-scatter sums the devices, where the reference sums all rows at once, and AdamW divides
+# each gradient element by its own scale, so that rounding grows over the steps wherever a gradient is near
+# zero, by an amount that depends on the CPU's kernels. In fp32 it reached 1e-5 on some machines, where a
+# bug (a wrong offset, a missing divide) moves a tensor by 1e-3 or more: a bound there sits on the rounding.
+# So the parity tests train in float64 (``jax.enable_x64``): the same growth, from eps = 2.2e-16, is bounded
+# by F64_GROWTH eps per step. That is ~1e3 times the growth measured in fp32 (at most ~90 eps per step:
+# 1.1e-5 in 5 steps of gpt-oss-tiny at (ep, fsdp) = (4, 1)) and, at 5 to 10 steps (1e-10 to 2e-10),
+# ~1e7 times below a bug.
+F64_EPS = float(np.finfo(np.float64).eps)
+F64_GROWTH = 1e5
+
+
+def float64_bound(steps: int) -> float:
+    """The largest relative distance float64 rounding may make in ``steps`` steps (see above)."""
+    return steps * F64_GROWTH * F64_EPS
+
+
+def assert_float64_parity(losses, params: dict, reference: tuple) -> dict:
+    """Losses and parameters of a float64 run against the float64 ``reference`` (``(losses, {fqn:
+    array})``), within ``float64_bound`` of its step count; returns the distances."""
+    ref_losses, ref_params = reference
+    assert all(np.asarray(v).dtype == np.float64 for v in (*params.values(), *ref_params.values())), \
+        "a float64 parity test ran in another dtype: run it under jax.enable_x64(True) on float64 params"
+    d = {"loss": rel_err(losses, ref_losses), "params": params_distance(params, ref_params),
+         "bound": float64_bound(len(ref_losses))}
+    assert d["loss"] <= d["bound"] and d["params"] <= d["bound"], d
+    return d
 
 
 # Bounds of sharded fp32 training against the single-device reference. A sharded run cannot equal the
