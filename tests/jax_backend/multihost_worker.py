@@ -2,8 +2,7 @@
 
 Each process owns 2 host CPU devices; ``jax.distributed.initialize`` joins them into one 4-device mesh, and
 CPU collectives across processes go through gloo. The run trains llama-tiny like the single-device
-reference, in float64 as the test's reference (x64 for the whole process), and saves a neutral checkpoint
-(process 0 writes) plus the losses.
+reference and saves a neutral checkpoint (process 0 writes) plus the losses.
 
 Usage, with the repository root on PYTHONPATH:
     python tests/jax_backend/multihost_worker.py PROCESS_ID PORT OUT_DIR
@@ -19,8 +18,6 @@ import json  # noqa: E402
 
 import jax  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)
-
 try:  # CPU collectives across processes; newer JAX versions may pick gloo by default and drop the flag
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 except (AttributeError, KeyError, ValueError):
@@ -35,13 +32,13 @@ def main() -> None:
 
     from jax_backend import make_mesh, save_neutral_checkpoint
     from jax_backend.models import Llama, parallelize
-    from tests.jax_backend.jax_reference import BATCH, SEQ, STEPS, float64, run_fsdp
+    from tests.jax_backend.jax_reference import BATCH, SEQ, STEPS, run_fsdp
 
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     import numpy as np
 
     batches = np.random.default_rng(0).integers(0, 256, size=(STEPS, BATCH, SEQ + 1)).astype(np.int32)
-    model = float64(Llama(rngs=nnx.Rngs(0)))
+    model = Llama(rngs=nnx.Rngs(0))
     fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), remat=True)
     losses, buffers = run_fsdp(fsdp, model, batches)  # shards span both processes: saved, not unsharded
     save_neutral_checkpoint(os.path.join(out, "ckpt"), buffers, fsdp.layouts)
