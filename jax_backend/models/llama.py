@@ -36,6 +36,12 @@ class Embedding(nnx.Module):
         return self.weight[...][tokens]
 
 
+def at_least_fp32(x: jax.Array) -> jax.Array:
+    """``x`` in fp32, or in its own dtype where that is wider (float64): statistics taken "in fp32" for bf16
+    never round a float64 model's values down to fp32."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 class RMSNorm(nnx.Module):
     """``x / rms(x) * weight``; the statistics are taken in fp32 even when ``x`` is bf16."""
 
@@ -44,7 +50,7 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
+        x32 = at_least_fp32(x)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return normed.astype(x.dtype) * self.weight[...]
 
@@ -58,7 +64,7 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
     freqs = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # (D/2,)
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]  # (T, D/2)
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], d // 2, 2)
+    pairs = at_least_fp32(x).reshape(*x.shape[:-1], d // 2, 2)
     re, im = pairs[..., 0], pairs[..., 1]
     out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
     return out.reshape(x.shape).astype(x.dtype)
@@ -85,7 +91,7 @@ class Attention(nnx.Module):
         k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)  # (B, T, H, D)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(self.head_dim).astype(q.dtype)
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
+        scores = jnp.where(causal, at_least_fp32(scores), -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # (B, H, T, T)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, self.n_heads * self.head_dim)
         return self.wo(out)
@@ -136,5 +142,5 @@ class Llama(nnx.Module):
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross entropy, computed in fp32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(at_least_fp32(logits), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

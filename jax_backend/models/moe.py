@@ -21,7 +21,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_backend.models.llama import Attention, Embedding, FeedForward, Linear, RMSNorm, cross_entropy
+from jax_backend.models.llama import (
+    Attention,
+    Embedding,
+    FeedForward,
+    Linear,
+    RMSNorm,
+    at_least_fp32,
+    cross_entropy,
+)
 from ragged.models import MOE_CONFIGS, MoeConfig
 
 
@@ -38,7 +46,7 @@ class Router(nnx.Module):
         logits = x @ self.weight[...].T
         if self.bias is not None:
             logits = logits + self.bias[...]
-        logits = logits.astype(jnp.float32)  # (N, E)
+        logits = at_least_fp32(logits)  # (N, E)
         scores = jax.nn.softmax(logits, axis=-1) if self.scoring == "softmax" else jax.nn.sigmoid(logits)
         top, experts = jax.lax.top_k(scores, self.top_k)  # (N, k), largest first
         weights = top / jnp.sum(top, axis=-1, keepdims=True) * self.routed_scale

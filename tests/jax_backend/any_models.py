@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_backend import flatten_params, make_mesh
+from jax_backend import flatten_params
 
 VOCAB, DIM, HIDDEN, EXPERTS, BLOCKS = 37, 21, 29, 3, 3
 BATCH, SEQ, STEPS = 24, 7, 5
@@ -109,38 +109,46 @@ def _with_aux(out):
     return out if isinstance(out, tuple) else (out, None)
 
 
-def train_reference(apply, params, loss_fn, data, opt=None, devices: int = 1) -> tuple[list[float], dict]:
+def train_reference(apply, params, loss_fn, data, opt=None,
+                    micro_batches: int = 1) -> tuple[list[float], dict]:
     """Plain single-device training: ``jax.grad`` of ``loss_fn(apply(params, x), y)``, optax on the pytree
-    (``adamw()`` unless ``opt`` is given).
+    (``adamw()`` unless ``opt`` is given): the loss per step and the final ``{fqn: array}``.
 
-    With ``devices`` > 1, the same program as GSPMD data parallelism, the baseline of the sharded tests
-    (jax_reference.within_baseline): the parameters and optimizer state replicated on the first
-    ``devices`` devices, each batch split over them by rows, and XLA's partitioner doing the rest (each
-    device's rows, then an all-reduce of the gradients): XLA's own data-parallel arithmetic, no shard_map."""
+    With ``micro_batches`` > 1, the loss is the mean of that many equal row blocks' losses, each through its
+    own ``apply`` (a bf16 ``apply`` rounds each block's gradient to bf16 apart, as a data-parallel device
+    does its rows')."""
+    return train_references(apply, params, loss_fn, [data], opt, micro_batches)[0]
+
+
+def train_references(apply, params, loss_fn, datasets, opt=None, micro_batches: int = 1) -> list[tuple]:
+    """``train_reference`` on each of ``datasets`` (of one shape) from the same ``params``, one program for
+    all: the same training on permuted rows is another summation order (jax_reference's spread bound)."""
     opt = adamw() if opt is None else opt
-    if devices > 1:
-        mesh = make_mesh((devices,), ("data",))
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-        rows = NamedSharding(mesh, P("data"))
-        data = [jax.device_put(b, rows) for b in data]
+
+    def loss_of(q, x, y):
+        blocks = zip(jnp.split(x, micro_batches), jnp.split(y, micro_batches))
+        return jnp.mean(jnp.stack([_with_aux(loss_fn(apply(q, xb), yb))[0] for xb, yb in blocks]))
 
     @jax.jit
     def step(p, s, x, y):
-        (loss, _), grads = jax.value_and_grad(lambda q: _with_aux(loss_fn(apply(q, x), y)), has_aux=True)(p)
+        loss, grads = jax.value_and_grad(loss_of)(p, x, y)
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
-    state, losses = opt.init(params), []
-    for b in data:
-        params, state, loss = step(params, state, b[:, :-1], b[:, 1:])
-        losses.append(float(loss))
-    return losses, {k: np.asarray(v) for k, v in flatten_params(params).items()}
+    runs = []
+    for data in datasets:
+        p, state, losses = params, opt.init(params), []
+        for b in data:
+            p, state, loss = step(p, state, b[:, :-1], b[:, 1:])
+            losses.append(float(loss))
+        runs.append((losses, {k: np.asarray(v) for k, v in flatten_params(p).items()}))
+    return runs
 
 
-def nnx_reference(model: nnx.Module, data, devices: int = 1) -> tuple[list[float], dict]:
+def nnx_reference(model: nnx.Module, data) -> tuple[list[float], dict]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     apply = lambda p, x: nnx.merge(graphdef, p, rest)(x)  # noqa: E731
-    return train_reference(apply, params, moe_loss, data, devices=devices)
+    return train_reference(apply, params, moe_loss, data)
 
 
 def gspmd_step(apply, params, loss_fn, mesh, opt):

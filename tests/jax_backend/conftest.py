@@ -1,5 +1,5 @@
-"""Shared fixtures: llama-tiny, its data, the single-device reference run and its GSPMD data-parallel
-baselines (each computed once per session).
+"""Shared fixtures: llama-tiny, its data and the single-device reference run in float64 (each computed once
+per session), and ``x64``, which runs a test in float64.
 
 The reference is the plain way to train: ``jax.grad`` of the unsharded flax model and ``optax.adamw`` on
 the full parameter pytree, with none of jax_backend's buffers, layouts or collectives.
@@ -7,14 +7,13 @@ the full parameter pytree, with none of jax_backend's buffers, layouts or collec
 
 from __future__ import annotations
 
-import functools
-
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from jax_backend.models import Llama
-from tests.jax_backend.jax_reference import BATCH, SEQ, STEPS, train_reference
+from tests.jax_backend.jax_reference import BATCH, SEQ, STEPS, float64, train_reference
 
 
 @pytest.fixture(scope="session")
@@ -29,12 +28,21 @@ def batches() -> np.ndarray:
 
 
 @pytest.fixture(scope="session")
-def reference(model: Llama, batches: np.ndarray) -> tuple[list[float], dict]:
-    return train_reference(model, batches)
+def model64(model: Llama) -> Llama:
+    """``model`` in float64, for the tests that take ``x64`` (jax_reference.float64_bound)."""
+    return float64(model)
 
 
 @pytest.fixture(scope="session")
-def baseline(model: Llama, batches: np.ndarray, reference):
-    """``baseline(n)``: the reference's recipe as GSPMD data parallelism over n devices (the bound of
-    jax_reference.within_baseline), trained once per n; on one device it is the reference itself."""
-    return functools.cache(lambda n: reference if n == 1 else train_reference(model, batches, devices=n))
+def reference(model64: Llama, batches: np.ndarray) -> tuple[list[float], dict]:
+    """The float64 reference: ``model64`` trained on one device under x64."""
+    with jax.enable_x64(True):
+        return train_reference(model64, batches)
+
+
+@pytest.fixture
+def x64():
+    """The test computes in float64: ``jax_enable_x64`` for its duration only (jit keys its caches on it, so
+    the fp32 tests' programs are not reused)."""
+    with jax.enable_x64(True):
+        yield

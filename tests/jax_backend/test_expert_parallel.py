@@ -1,7 +1,7 @@
 """Expert parallelism composed with ragged FSDP (``parallelize_moe``) on 4 and 8 host devices.
 
 Five AdamW steps at (ep, fsdp) = (1, 4), (2, 2), (4, 1) on 4 devices and (2, 2) with 2 HSDP replicas on 8
-(fp32; bf16 at (2, 4) and (2, 2) x 2 on 8), for per-expert modules (mixtral-tiny) and fused experts with
+(float64; bf16 at (2, 4) and (2, 2) x 2 on 8), for per-expert modules (mixtral-tiny) and fused experts with
 biases (gpt-oss-tiny), equal single-device training of the whole MoE (``jax.grad`` of the unsharded model,
 ``optax.adamw`` on its pytree). The reference's loss is the mean of the device batches' losses, computed
 apart: the load-balancing loss is a product of per-batch means, so data-parallel training defines it per
@@ -15,32 +15,29 @@ repeats one token in every row but for its first two positions. The test asserts
 routing, that some experts received no row from their EP group in some step and, for ep > 1, that some EP
 rank's experts all did.
 
-Bounds (fp32): as the suite's other JAX step tests (tests/jax_backend/jax_reference.py, above
-``FP32_EPS``), by a GSPMD data-parallel baseline of the same case on the same devices
-(``train_reference(gspmd=True)``: one device batch's loss ``vmap``-ed over the device axis, split over the
-devices, parameters replicated, XLA's all-reduce summing the gradients). The reference stays the truth: ours
-within twice the baseline's distance from it (or 5 fp32 roundings), on losses and on the worst tensor.
-The sharded step sums each gradient in another order (an expert's over the devices of its EP group and
-then its fsdp peers, the rest by reduce-scatter), as the baseline sums them in its own; AdamW divides by
-sqrt(nu), which amplifies that rounding where a gradient is near zero, most at fsdp = 1, whose data after
-step 0 is one token per step on every device: a fixed 1e-5 does not hold there (gpt-oss-tiny at (4, 1):
-``layers.1.attention.wq.weight``, a non-expert weight, 1.14e-5), and the baseline is as far. Measured on
-parameters, ours / baseline (mixtral-tiny; gpt-oss-tiny): (1, 4) 6.9e-7 / 6.8e-7; 9.6e-7 / 1.0e-6,
-(2, 2) 7.3e-7 / 9.5e-7; 9.9e-7 / 1.0e-6, (4, 1) 7.5e-6 / 1.1e-5; 1.1e-5 / 7.9e-6, (2, 2) x 2 replicas
-1.6e-6 / 1.0e-6; 1.2e-6 / 6.4e-7 (the closest to its bound, 1.3e-6); losses within 7.7e-8 (baseline
-8.6e-8). A token routed to another expert would move its layer's output by ~1e-2, far outside the bound.
+Bounds: the fp32 cases train in float64 (the ``x64`` fixture, a float64 copy of the model and reference),
+within ``jax_reference.float64_bound``: 5 steps of 1e5 float64 eps, 1.1e-10. The sharded step sums each
+gradient in another order (an expert's over the devices of its EP group and then its fsdp peers, the rest
+by reduce-scatter) and AdamW divides by sqrt(nu), which amplifies that rounding where a gradient is near
+zero, most at fsdp = 1, whose data after step 0 is one token per step on every device (in fp32: 1.1e-5 on
+``layers.1.attention.wq.weight`` of gpt-oss-tiny at (4, 1), 1.4e-6 at (2, 2) x 2, CPU-dependent). Measured
+in float64 on parameters (mixtral-tiny; gpt-oss-tiny): (1, 4) 1.6e-15; 7.8e-15, (2, 2) 1.6e-15; 1.1e-14,
+(4, 1) 5.7e-14; 2.9e-14, (2, 2) x 2 1.3e-14; 1.1e-14; losses within 2.6e-16. A token routed to another
+expert would move its layer's output by ~1e-2, far outside the bound.
 
 bf16 under the mixed-precision policy (bf16 gathers, compute and all-to-all; fp32 reduce and masters) at
 (2, 4) and (2, 2) x 2 replicas: against the policy reference (each device batch on its own bf16 copy of the
-fp32 parameters, the gradients cast back and summed in fp32) and fp32 training. EP cannot meet the fp32
+fp32 parameters, the gradients cast back and summed in fp32) and float64 training. EP cannot meet the fp32
 bound here: an expert's gradient is one bf16 dot over the rows of every EP rank where the reference rounds
 each device's to bf16, and a token whose top-k gap is below bf16 rounding changes experts. The bound is
-the case's own bf16 error, the policy reference's distance from fp32 training: losses within twice it of
+the case's own bf16 error, the policy reference's distance from float64 training: losses within twice it of
 both references, parameters within twice its parameter distance of the policy reference, as on torch
 (tests/torch_backend/test_fsdp_moe.py). Measured (mixtral-tiny / gpt-oss-tiny, (2, 4) then (2, 2) x 2):
 losses 6.7e-6, 3.2e-6 / 2.8e-5, 2.3e-5 from the policy reference (bounds 1.1e-4, 3.2e-4 / 1.0e-4,
 8.2e-5), parameters 4.8e-2, 0.12 / 8.7e-2, 5.4e-2 (bounds 0.89, 1.0 / 0.13, 0.14; loose where bf16 itself
-moves a token to another expert, mixtral-tiny).
+moves a token to another expert, mixtral-tiny). Against float64 training, gpt-oss-tiny at (2, 4): losses
+3.2e-5 (bound 9.8e-5), parameters 8.7e-2 (bound 0.13); mixtral-tiny at (2, 2) x 2: losses 1.6e-4 (bound
+3.2e-4), parameters 0.12 (bound 1.0).
 
 Capacity: with ``capacity_factor=0.5``, each device's dropped (token, expert) assignments per MoE layer
 equal a numpy count (``sum_e max(0, n_e - C)``) over the routing of a single-device forward that drops the
@@ -58,8 +55,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_backend import MixedPrecisionPolicy, make_mesh, on_shards
 from jax_backend.models import model_params
@@ -67,14 +62,14 @@ from jax_backend.models.expert_parallel import parallelize_moe
 from jax_backend.models.llama import FeedForward
 from jax_backend.models.moe import MoEDecoder, load_balancing_loss, moe_loss, route_tokens
 from ragged.models import MOE_CONFIGS
-from tests.jax_backend.jax_reference import assert_within_baseline, rel_err
+from tests.jax_backend.jax_reference import assert_float64_parity, float64, rel_err
 
 DEVICES, ROWS, SEQ, STEPS, LR = 8, 2, 8, 5, 1e-2  # ROWS per device; DEVICES: the bf16 and capacity tests'
 CASES = [(1, 4, 1), (2, 2, 1), (4, 1, 1), (2, 2, 2)]  # (ep, fsdp, replica), on ep * fsdp * replica devices
 BF16_CASES = [(2, 4, 1), (2, 2, 2)]
 MODELS = ["mixtral-tiny", "gpt-oss-tiny"]
 ADAMW = optax.adamw(LR, weight_decay=0.1)
-RTOL = 1e-5  # losses where no baseline runs: one forward (capacity), the optimizer tests (measured 8.6e-8)
+RTOL = 1e-5  # fp32 losses of one forward (capacity) and of the optimizer tests (measured 8.6e-8)
 BF16_RTOL = 2e-2  # a few bf16 epsilons (2^-8), as tests/torch_backend/test_fsdp_moe.py
 
 
@@ -110,14 +105,12 @@ def device_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, coe
 
 
 @functools.cache
-def reference_step(graphdef: nnx.GraphDef, opt: optax.GradientTransformation, coef: float, dtype,
-                   gspmd: bool):
+def reference_step(graphdef: nnx.GraphDef, opt: optax.GradientTransformation, coef: float, dtype):
     """``train_reference``'s jitted step on a (devices, ROWS, SEQ + 1) batch, the loss the mean of the
-    devices' ``device_loss``: one after the other on one device, or (``gspmd``) ``vmap``-ed over the
-    device axis. Cached: the runs of one model, optimizer and device count compile once."""
+    devices' ``device_loss``, one after the other on one device. Cached: the runs of one model, optimizer
+    and dtype compile once (jit keys its own cache on x64 too)."""
     def loss_fn(params, batch):
-        one = lambda b: device_loss(graphdef, params, b, coef, dtype)  # noqa: E731
-        return jnp.mean(jax.vmap(one)(batch) if gspmd else jnp.stack([one(b) for b in batch]))
+        return jnp.mean(jnp.stack([device_loss(graphdef, params, b, coef, dtype) for b in batch]))
 
     @jax.jit
     def step(params, state, batch):
@@ -129,25 +122,13 @@ def reference_step(graphdef: nnx.GraphDef, opt: optax.GradientTransformation, co
 
 
 def train_reference(model: MoEDecoder, data: np.ndarray, dtype=None,
-                    opt: optax.GradientTransformation = ADAMW,
-                    gspmd: bool = False) -> tuple[list[float], list[dict]]:
+                    opt: optax.GradientTransformation = ADAMW) -> tuple[list[float], list[dict]]:
     """Single-device ``opt`` (AdamW) of the mean of the device batches' losses (``data.shape[1] // ROWS``
     devices), forward and backward in ``dtype`` per device batch: the loss per step and the parameters
-    before each step and after the last.
-
-    With ``gspmd``, the same training as GSPMD data parallelism over those devices, the fp32 test's
-    baseline (jax_reference.within_baseline): the device batches on a leading axis split over as many
-    devices (the first ones), one device batch's loss ``vmap``-ed over it, the parameters and optimizer
-    state replicated: XLA's partitioner gives each device its batch and sums the gradients (an all-reduce).
-    """
+    before each step and after the last."""
     graphdef, params = nnx.split(model, nnx.Param)
-    devices = data.shape[1] // ROWS
-    batches_ = data.reshape(len(data), devices, ROWS, SEQ + 1)
-    if gspmd:
-        mesh = make_mesh((devices,), ("data",))
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-        batches_ = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in batches_]
-    step = reference_step(graphdef, opt, model.config.aux_loss_coef, dtype, gspmd)
+    batches_ = data.reshape(len(data), data.shape[1] // ROWS, ROWS, SEQ + 1)
+    step = reference_step(graphdef, opt, model.config.aux_loss_coef, dtype)
     state, losses, history = opt.init(params), [], []
     for b in batches_:
         history.append(model_params(nnx.merge(graphdef, params)))
@@ -219,15 +200,24 @@ def routed_forward(model: MoEDecoder, tokens: np.ndarray, capacity: int | None) 
     return (model.output(model.norm(h)), jnp.mean(jnp.stack(aux))), routes
 
 
-_REFERENCES: dict[str, tuple] = {}
+_REFERENCES: dict[tuple, tuple] = {}
 
 
-def reference(name: str, fsdp: int, devices: int, dtype=None) -> tuple[list[float], list[dict], np.ndarray]:
-    key = f"{name}/{fsdp}/{devices}/{dtype}"
+def reference(name: str, fsdp: int, devices: int,
+              dtype=jnp.float64) -> tuple[list[float], list[dict], np.ndarray]:
+    """``train_reference`` of ``name`` on ``batches(vocab, fsdp, devices)``, once per process: the float64
+    model (under x64: its history is numpy, for the fp32 and bf16 tests alike), or ``dtype`` compute on
+    fp32 masters."""
+    key = (name, fsdp, devices, jnp.dtype(dtype).name)
     if key not in _REFERENCES:
         model = build(name)
         data = batches(model.config.vocab_size, fsdp, devices)
-        _REFERENCES[key] = (*train_reference(model, data, dtype), data)
+        if dtype == jnp.float64:
+            with jax.enable_x64(True):
+                trained = train_reference(float64(model), data)
+        else:
+            trained = train_reference(model, data, dtype)
+        _REFERENCES[key] = (*trained, data)
     return _REFERENCES[key]
 
 
@@ -255,12 +245,11 @@ def received(name: str, history: list[dict], data: np.ndarray, ep: int, fsdp: in
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("ep,fsdp,replica", CASES)
-def test_five_adamw_steps_equal_single_device_training(name, ep, fsdp, replica):
+def test_five_adamw_steps_equal_single_device_training(x64, name, ep, fsdp, replica):
     want_losses, history, data = reference(name, fsdp, ep * fsdp * replica)
-    losses, params, drops = train_ep(build(name), data, ep, fsdp, replica)
+    losses, params, drops = train_ep(float64(build(name)), data, ep, fsdp, replica)
     assert all(int(v.sum()) == 0 for step in drops for v in step.values())  # no capacity limit: no drops
-    base_losses, base_history = train_reference(build(name), data, gspmd=True)
-    assert_within_baseline(losses, params, (want_losses, history[-1]), (base_losses, base_history[-1]))
+    assert_float64_parity(losses, params, (want_losses, history[-1]))
     rows = received(name, history, data, ep, fsdp)  # (steps, layers, groups, E)
     assert (rows == 0).any() and (rows > 0).any(), "no expert went empty: the forcing did not work"
     by_rank = rows.reshape(*rows.shape[:-1], ep, -1).sum(axis=-1)
@@ -292,18 +281,20 @@ def test_dropped_assignments_equal_a_numpy_count(name):
 @pytest.mark.parametrize("ep,fsdp,replica", BF16_CASES)
 def test_bf16_policy_within_the_policys_own_distance_from_fp32(name, ep, fsdp, replica):
     """bf16 gathers, compute and all-to-all, fp32 reduce and masters, against the policy reference (each
-    device batch on its own bf16 copy, gradients summed in fp32) and fp32 training (see the module doc)."""
-    fp32_losses, fp32_history, data = reference(name, fsdp, DEVICES)
+    device batch on its own bf16 copy, gradients summed in fp32) and float64 training, the fp32 test's
+    reference where the case is one of its (see the module doc)."""
+    exact_losses, exact_history, data = reference(name, fsdp, DEVICES)
     policy_losses, policy_history, _ = reference(name, fsdp, DEVICES, jnp.bfloat16)
     policy = MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
     losses, params, _ = train_ep(build(name), data, ep, fsdp, replica, mp_policy=policy)
     assert all(v.dtype == np.float32 for v in params.values())  # masters stay fp32
-    base_loss, base_params = rel_err(policy_losses, fp32_losses), worst(policy_history[-1], fp32_history[-1])
+    base_loss = rel_err(policy_losses, exact_losses)
+    base_params = worst(policy_history[-1], exact_history[-1])
     assert 0 < base_loss <= BF16_RTOL, base_loss  # the case computed in bf16, within bf16's bound
-    d = {"loss_vs_fp32": rel_err(losses, fp32_losses), "loss_vs_policy": rel_err(losses, policy_losses),
+    d = {"loss_vs_exact": rel_err(losses, exact_losses), "loss_vs_policy": rel_err(losses, policy_losses),
          "params_vs_policy": worst(params, policy_history[-1]), "base_loss": base_loss,
          "base_params": base_params}
-    assert d["loss_vs_fp32"] <= 2 * base_loss and d["loss_vs_policy"] <= 2 * base_loss, d
+    assert d["loss_vs_exact"] <= 2 * base_loss and d["loss_vs_policy"] <= 2 * base_loss, d
     assert d["params_vs_policy"] <= 2 * base_params, d
 
 

@@ -41,12 +41,12 @@ DEVICES = {1: 1, 3: 3, 4: 4, 8: 8, "2x2": 4, "2x4": 8}
 # gradients) and XLA's kernels: fp32 rounding, one per step. SGD with momentum, not AdamW: its update is
 # linear in the gradient, so that rounding is not amplified, while some gradients are zero in exact
 # arithmetic (a bias before BatchNorm, attention's key bias) and AdamW's division by sqrt(nu) would turn
-# their rounding noise into steps of +-lr in either run (AdamW's bounds: jax_reference.within_baseline).
+# their rounding noise into steps of +-lr in either run (why jax_reference's AdamW tests run in float64).
 # Parameters and state are measured by near_error (relative, or absolute RMS where values cancel to near
 # zero). Measured on a 2-core Xeon, worst of losses, parameters and state: 1.1e-7 (CNN at 3 devices), 1.5e-7
 # (ViT's losses at 1 device: XLA's kernels alone), 5.8e-8 with synchronised statistics (whose batch_norm1
 # mean, 1e-5 from cancelling terms, is 1.6e-6 off relative to itself).
-RTOL = STEPS * FP32_EPS
+RTOL = STEPS * float(np.finfo(np.float32).eps)
 
 
 def sgd() -> optax.GradientTransformation:

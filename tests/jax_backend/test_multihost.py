@@ -10,13 +10,18 @@ from pathlib import Path
 
 import ragged
 import ragged.checkpoint
-from tests.jax_backend.jax_reference import assert_within_baseline
+from tests.jax_backend.jax_reference import (
+    SPREAD_ORDERS,
+    assert_within_spread,
+    permuted_rows,
+    train_references,
+)
 from tests.ports import coordinator_port
 
 HERE = Path(__file__).parent
 
 
-def test_two_processes_match_single_device(tmp_path, reference, baseline):
+def test_two_processes_match_single_device(tmp_path, model, batches):
     port = coordinator_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent)]),
            "OMP_NUM_THREADS": "1"}
@@ -36,7 +41,12 @@ def test_two_processes_match_single_device(tmp_path, reference, baseline):
     losses = json.loads((tmp_path / "losses.json").read_text())
     checkpoint = ragged.checkpoint.load_neutral_checkpoint(tmp_path / "ckpt")
     assert [lay.world_size for lay in checkpoint.layouts] == [4] * len(checkpoint.layouts)
+    # fp32, bounded by the spread of the reference over row orders in 4 micro-batches (as the batch is
+    # split across the two processes' 4 devices; jax_reference.assert_within_spread): in float64 the two
+    # processes trained 1.6e-7 from the float64 reference, so something across the processes (the gloo
+    # collectives?) rounds like fp32 there. Measured: parameters 7.9e-7 (spread 5.9e-7), losses 9.0e-8
+    # (spread 1.0e-7).
+    orders = [batches, *(permuted_rows(batches, seed) for seed in range(SPREAD_ORDERS))]
+    reference, *others = train_references(model, orders, micro_batches=4)
     params = {name: checkpoint.tensors[name].bits for name in reference[1]}
-    # Bound: GSPMD data parallelism over 4 devices of this process, the batch split 4 ways as across the
-    # two processes (jax_reference.within_baseline).
-    assert_within_baseline(losses, params, reference, baseline(4))
+    assert_within_spread(losses, params, reference, others)

@@ -5,8 +5,6 @@ unsharded init, the compiled programs' memory, and the errors. Public API only."
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -28,11 +26,10 @@ from tests.jax_backend.any_models import (
     nnx_reference,
     train_reference,
 )
-from tests.jax_backend.jax_reference import assert_within_baseline
+from tests.jax_backend.jax_reference import assert_float64_parity, float64
 
 MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 4: ((4,), ("fsdp",)), 8: ((8,), ("fsdp",)),
           "2x4": ((2, 4), ("replica", "fsdp"))}
-DEVICES = {1: 1, 3: 3, 4: 4, 8: 8, "2x4": 8}  # the ways each mesh splits the batch
 LAYERS = [f"layers.{i}" for i in range(BLOCKS)]
 
 
@@ -47,26 +44,24 @@ def moe() -> MoE:
 
 
 @pytest.fixture(scope="module")
-def moe_reference(moe, data):
-    return nnx_reference(moe, data)
+def moe64(moe) -> MoE:
+    return float64(moe)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe64, data):
+    with jax.enable_x64(True):
+        return nnx_reference(moe64, data)
+
+
+def mlp64() -> dict:
+    return float64(mlp_params())
 
 
 @pytest.fixture(scope="module")
 def mlp_reference(data):
-    return train_reference(mlp_apply, mlp_params(), mlp_loss, data)
-
-
-# The bounds' baselines (jax_reference.within_baseline): GSPMD data parallelism over as many devices as the
-# mesh splits the batch over, once per device count; on one device, the reference itself.
-@pytest.fixture(scope="module")
-def moe_baseline(moe, data, moe_reference):
-    return functools.cache(lambda n: moe_reference if n == 1 else nnx_reference(moe, data, devices=n))
-
-
-@pytest.fixture(scope="module")
-def mlp_baseline(data, mlp_reference):
-    gspmd = lambda n: train_reference(mlp_apply, mlp_params(), mlp_loss, data, devices=n)  # noqa: E731
-    return functools.cache(lambda n: mlp_reference if n == 1 else gspmd(n))
+    with jax.enable_x64(True):
+        return train_reference(mlp_apply, mlp64(), mlp_loss, data)
 
 
 def shard(model, mesh_key, **kw):
@@ -101,29 +96,29 @@ MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"rema
 @pytest.mark.parametrize("mesh_key, units, mode", [
     (1, "blocks.*", "keep"), (3, ["blocks.*", "head"], "remat"), (4, "objects", "keep"),
     (8, is_block, "reshard"), ("2x4", ["blocks.*", "head"], "reshard")])
-def test_nnx_moe_matches_single_device(moe, data, moe_reference, moe_baseline, mesh_key, units, mode):
+def test_nnx_moe_matches_single_device(x64, moe64, data, moe_reference, mesh_key, units, mode):
     if units == "objects":
-        chosen = [*moe.blocks, moe.head]
+        chosen = [*moe64.blocks, moe64.head]
         units = lambda path, module: any(module is c for c in chosen)  # noqa: E731
-    fsdp = shard(moe, mesh_key, units=units, **MODES[mode])
+    fsdp = shard(moe64, mesh_key, units=units, **MODES[mode])
     assert len(fsdp.layouts) == 1 + BLOCKS + (units != "blocks.*" and units is not is_block)
     assert "embed.embedding" in [t.name for t in fsdp.layouts[0].tensors]  # the tied table: root
-    losses, params, (aux,) = train(fsdp, moe, moe_loss, data)
-    assert [type(b) for b in moe.blocks] == [MoEBlock] * BLOCKS and type(moe.head) is TiedHead
-    # Measured parameters, ours / baseline (2-core Xeon): 0 / 0 at 1 device (one rounding per step is the
-    # bound), 3.7e-7 / 4.5e-7 at 3, 6.0e-7 / 6.5e-7 at 4, 7.0e-7 / 6.2e-7 at 8, 6.1e-7 / 6.2e-7 at 2 x 4.
-    assert_within_baseline(losses, params, moe_reference, moe_baseline(DEVICES[mesh_key]))
+    losses, params, (aux,) = train(fsdp, moe64, moe_loss, data)
+    assert [type(b) for b in moe64.blocks] == [MoEBlock] * BLOCKS and type(moe64.head) is TiedHead
+    # In float64 (jax_reference.float64_bound, 5 steps: 1.1e-10); measured on parameters: 0 at 1 device,
+    # 7.5e-16 at 3, 6.3e-16 at 8, 7.9e-16 at 2 x 4 (in fp32: up to 7.0e-7, CPU-dependent).
+    assert_float64_parity(losses, params, moe_reference)
     assert set(aux) == {"router_loss"} and np.isfinite(aux["router_loss"])
 
 
 @pytest.mark.parametrize("mesh_key", [1, 3, 4, 8, "2x4"])
-def test_pure_function_matches_single_device(data, mlp_reference, mlp_baseline, mesh_key):
-    fsdp = shard(mlp_apply, mesh_key, params=mlp_params(), units=LAYERS)
-    losses, params, aux = train(fsdp, mlp_params(), mlp_loss, data)
+def test_pure_function_matches_single_device(x64, data, mlp_reference, mesh_key):
+    fsdp = shard(mlp_apply, mesh_key, params=mlp64(), units=LAYERS)
+    losses, params, aux = train(fsdp, mlp64(), mlp_loss, data)
     assert aux == []
-    # Measured parameters, ours / baseline (2-core Xeon): 0 / 0 at 1 device, 2.2e-7 / 2.1e-7 at 3,
-    # 3.9e-7 / 3.7e-7 at 4, 4.0e-7 / 3.8e-7 at 8, 4.7e-7 / 3.8e-7 at 2 x 4 (bound: 5 steps x eps = 6.0e-7).
-    assert_within_baseline(losses, params, mlp_reference, mlp_baseline(DEVICES[mesh_key]))
+    # In float64, as the MoE's; measured on parameters: 0 at 1 device, 3.6e-13 at 3, 3.1e-13 at 4, 2.9e-13 at
+    # 8 and at 2 x 4 (in fp32: up to 4.7e-7).
+    assert_float64_parity(losses, params, mlp_reference)
 
 
 def test_sharded_init_equals_the_unsharded_init_and_holds_one_unit_at_a_time():
