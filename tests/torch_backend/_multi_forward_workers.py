@@ -21,18 +21,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.torch_backend._dist import run_cases
+from tests.torch_backend._dropin_workers import Block, D, V
 from tests.torch_backend._user_model_workers import full_params, rel_errors
 
-B, T, D, H, V, SEED, STEPS, LR = 24, 4, 8, 16, 16, 0, 3, 1e-2  # 24 rows: two even halves on 2, 3, 4 ranks
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(D, H), nn.Linear(H, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
+B, T, SEED, STEPS, LR = 24, 4, 0, 3, 1e-2  # 24 rows: two even halves on 2, 3, 4 ranks
 
 
 class Net(nn.Module):
