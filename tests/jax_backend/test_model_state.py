@@ -28,7 +28,8 @@ from tests.jax_backend.vision_models import (
 
 MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 8: ((8,), ("fsdp",)),
           "2x4": ((2, 4), ("replica", "fsdp"))}
-MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
+MODES = {"keep": {"reshard_after_forward": False}, "reshard": {"reshard_after_forward": True},
+         "remat": {"remat": True}}
 DEVICES = {1: 1, 3: 3, 8: 8, "2x4": 8}
 # The reference does each device's arithmetic itself (its rows, its BatchNorm means, its Dropout keys), so
 # what differs is the order of the sums across devices (the reduce-scatter against the mean of the devices'

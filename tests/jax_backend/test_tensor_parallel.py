@@ -132,7 +132,7 @@ def test_compiled_step_gathers_each_tensor_ranks_shard_over_fsdp_only(model, bat
     (``(1, W * S)``, groups of the fsdp axis): left to XLA, the all-gather of a (T, S) operand first
     replicates it over the tensor axis."""
     mesh, _ = _mesh("fsdp4_tensor2")
-    fsdp = parallelize(model, mesh, tensor_axis="tensor")
+    fsdp = parallelize(model, mesh, tensor_axis="tensor", reshard_after_forward=False)  # one gather per unit
     buffers = fsdp.shard_params(model_params(model))
     assert all(b.shape[0] == 2 and b.sharding.spec == P("tensor", "fsdp") for b in buffers.values())
     opt = adamw()
