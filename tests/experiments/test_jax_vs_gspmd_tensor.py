@@ -33,10 +33,14 @@ def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp_bench")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
+    # --eigen-threads: XLA:CPU's default threading, as this process compiles with (the resharded programs'
+    # temporary memory depends on it: llama-tiny 2,616,352 B with the script's one thread per device,
+    # 2,587,424 B without)
     done = subprocess.run(
         [sys.executable, "-m", "experiments.jax_vs_gspmd", "--tensor", "2", "--models", ",".join(MODELS),
          "--rounds", "2", "--warmup", "1", "--steps-per-round", "1", "--seq", str(SEQ),
-         "--transformer", "128,32,4,96,2", "--out", str(out)],
+         "--transformer", "128,32,4,96,2", "--eigen-threads", "--stem", "jax_vs_gspmd_tensor2",
+         "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (out / "jax_vs_gspmd_tensor2.md").read_text().startswith(
