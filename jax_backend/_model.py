@@ -89,9 +89,11 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
         mp_policy: mixed precision; ``None`` computes and reduces in the master dtype.
         remat: NNX only: re-gather each unit in its backward and recompute its activations there, so one
             unit is unsharded at a time (the unit's call may then read only its own module and arguments).
-        reshard_after_forward: NNX only: free each unit's gathered parameters after its call and re-gather
-            them in its backward, keeping its activations (FSDP2's option; recomputes no arithmetic).
-            ``None``: as ``remat``, which implies it (off by default, unlike torch: docs/glossary.md).
+        reshard_after_forward: free each unit's gathered parameters after its call and re-gather them in
+            its backward, keeping its activations (FSDP2's option; recomputes no arithmetic). ``None``: True
+            for an NNX module, FSDP2's default (the root stays gathered through the step), False for a pure
+            function, which has no unit call to re-gather in (True is an error there). Why resharding is
+            the default: docs/jax_backend.md, "Measured against GSPMD".
         layouts: pre-planned Layouts (e.g. a core preset's order); their units must own the same
             parameters, with the same shapes.
         sync_batch_stats: NNX only: ``nnx.BatchNorm`` layers average their batch statistics over the
@@ -111,6 +113,7 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
     """
     if isinstance(model, nnx.Module):
         wrapped: NnxModel | FunctionModel = NnxModel(model, units, root, sync_batch_stats)
+        reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
     else:
         if params is None:
             raise UnitError("a pure-function model needs its params pytree: "

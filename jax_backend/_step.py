@@ -93,7 +93,7 @@ class FSDP:
             and recomputes its activations (implies ``reshard_after_forward``).
         reshard_after_forward: free each unit's gathered parameters after its forward and re-gather them in
             its backward, keeping its activations (FSDP2's option of that name); ``None``: as ``remat``.
-            Off by default, unlike torch's: docs/glossary.md says why.
+            ``shard_model`` passes True for NNX modules (its default, as FSDP2's).
         expert_layouts: units gathered over ``expert_axis`` only (expert parallelism: each EP rank's
             experts, ``ragged.models.ExpertParallelUnit``): ``{unit: its layout over expert_axis}``, under
             the model's names; ``layouts`` holds the unit's composition over ``axis`` (its buffer).

@@ -34,7 +34,8 @@ from tests.jax_backend.vision_models import (
 
 MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 4: ((4,), ("fsdp",)), 8: ((8,), ("fsdp",)),
           "2x2": ((2, 2), ("replica", "fsdp")), "2x4": ((2, 4), ("replica", "fsdp"))}
-MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
+MODES = {"keep": {"reshard_after_forward": False}, "reshard": {"reshard_after_forward": True},
+         "remat": {"remat": True}}
 DEVICES = {1: 1, 3: 3, 4: 4, 8: 8, "2x2": 4, "2x4": 8}
 # The reference does each device's arithmetic itself (its rows, its BatchNorm means, its Dropout keys), so
 # what differs is the order of the sums across devices (the reduce-scatter against the mean of the devices'

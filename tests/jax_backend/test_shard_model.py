@@ -86,7 +86,8 @@ def is_block(path: str, module: nnx.Module) -> bool:
     return isinstance(module, MoEBlock)
 
 
-MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
+MODES = {"keep": {"reshard_after_forward": False}, "reshard": {"reshard_after_forward": True},
+         "remat": {"remat": True}}
 
 
 # The units are named by paths, by a predicate on the path and module, or by the module objects (as torch

@@ -22,7 +22,8 @@ from tests.jax_backend.jax_reference import (
     train_references,
 )
 
-MODES = {"keep": {}, "reshard": {"reshard_after_forward": True}, "remat": {"remat": True}}
+MODES = {"keep": {"reshard_after_forward": False}, "reshard": {"reshard_after_forward": True},
+         "remat": {"remat": True}}
 
 
 def is_llama_unit(path: str, module) -> bool:
