@@ -7,25 +7,16 @@ measured 1e-7 on one machine and 4e-5 (700 float32 epsilons) on another. In floa
 far under Adam's ``eps`` (1e-8), so it is not amplified at all, and a bound of many float64 epsilons per
 step sits orders of magnitude above rounding and orders of magnitude below any real bug (a wrong shard
 offset, a missing divide, a dropped expert gradient moves results by 1e-3 or more).
-
-Cases that must run in float32 or bfloat16 (mixed precision, low-precision collectives) are bounded by
-the spread of the same case over several summation orders (``spread_bound``), never by one baseline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 FLOAT64_EPS = 2.0**-52
 # How many float64 epsilons one training step may cost, relative: the worst float32 amplification seen
 # (700 epsilons over four AdamW steps, about 200 a step) times 5,000 for headroom. Four steps give
-# 4.4e-9: 1e4 above float64's measured 1e-13 to 1e-12, and 1e5 below the smallest injected bug's 1e-3
-# (experiments/bug_injection.py).
+# 4.4e-9: 1e4 above the largest float64 distance measured (3e-13, GPT-2's parameters in
+# test_fsdp_user_models), and far below what the bugs of experiments/bug_injection.py move.
 EPS_PER_STEP = 1e6
-# A low-precision case may differ from its reference by this many times the spread its reference shows
-# over summation orders alone: the orders tried are a sample, so the case's own order may fall a little
-# outside their spread.
-SPREAD_MARGIN = 4.0
 
 
 def float64_rtol(steps: int) -> float:
@@ -35,17 +26,3 @@ def float64_rtol(steps: int) -> float:
         raise ValueError(f"float64_rtol: steps must be at least 1, got {steps}")
     return FLOAT64_EPS * EPS_PER_STEP * steps
 
-
-def spread_bound(distances: Iterable[float]) -> float:
-    """The bound for a low-precision case: ``SPREAD_MARGIN`` times the largest distance between the
-    reference and its runs on permuted micro-batches (the spread of summation orders alone).
-
-    Raises:
-        ValueError: no distance given, or every one zero (the permutations did not change the order,
-            so they measured nothing).
-    """
-    distances = list(distances)
-    if not distances or max(distances) == 0.0:
-        raise ValueError(f"spread_bound: the permuted runs measured no spread ({distances}); permute "
-                         "micro-batches whose sums round differently")
-    return SPREAD_MARGIN * max(distances)
