@@ -25,10 +25,12 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
+TIMEOUT_SCALE_ENV = "RAGGED_LAUNCH_TIMEOUT_SCALE"  # read by tests/torch_backend/_dist.py
 RESULTS = ROOT / "experiments" / "results"
 
 # The tests that compare a sharded run with a reference (or two summation orders), by stack.
@@ -87,10 +89,12 @@ def tests_for(variance: Variance, only: list[str] | None) -> list[str]:
             or not t.startswith(("tests/torch_backend/", "tests/jax_backend/"))]
 
 
-def run_variance(name: str, variance: Variance, tests: list[str], workdir: Path) -> dict:
-    """One pytest process over ``tests`` under ``variance``'s environment."""
+def run_variance(name: str, variance: Variance, tests: list[str], workdir: Path,
+                 timeout_scale: float) -> dict:
+    """One pytest process over ``tests`` under ``variance``'s environment, its gloo launches' timeouts
+    scaled by ``timeout_scale``."""
     xml = workdir / f"{name}.xml"
-    env = os.environ | variance.env
+    env = os.environ | variance.env | {TIMEOUT_SCALE_ENV: str(timeout_scale)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     start = time.perf_counter()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *tests]
@@ -139,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", help="comma-separated test files or node ids (default: NUMERICS_TESTS)")
     parser.add_argument("--variances", help=f"comma-separated, of {', '.join(VARIANCES)} (default: all)")
     parser.add_argument("--out", default=str(RESULTS / "variance_check"), help="stem of the .md and .json")
+    parser.add_argument("--jobs", type=int, default=1, help="pytest processes at a time")
+    parser.add_argument("--timeout-scale", type=float, default=10.0,
+                        help="multiplies the gloo launches' timeouts (this checks numerics, not speed)")
     args = parser.parse_args(argv)
     names = args.variances.split(",") if args.variances else list(VARIANCES)
     unknown = sorted(set(names) - set(VARIANCES))
@@ -147,18 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     only = args.only.split(",") if args.only else None
     machine = cpu()
     results = {"cpu": machine, "tests": only or [t for ts in NUMERICS_TESTS.values() for t in ts],
-               "variances": {}, "not_run": []}
-    with tempfile.TemporaryDirectory() as workdir:
-        for name in names:
-            variance = VARIANCES[name]
-            tests = tests_for(variance, only)
-            if variance.needs_isa and variance.needs_isa not in machine["isas"]:
-                results["not_run"].append(name)
-                continue
-            if not tests:
-                continue
-            r = run_variance(name, variance, tests, Path(workdir))
-            results["variances"][name] = r
+               "variances": {}}
+    runnable = [n for n in names if tests_for(VARIANCES[n], only)]
+    results["not_run"] = [n for n in runnable if VARIANCES[n].needs_isa not in (None, *machine["isas"])]
+    with tempfile.TemporaryDirectory() as workdir, ThreadPoolExecutor(args.jobs) as pool:
+        runs = {n: pool.submit(run_variance, n, VARIANCES[n], tests_for(VARIANCES[n], only), Path(workdir),
+                               args.timeout_scale)
+                for n in runnable if n not in results["not_run"]}
+        for name, future in runs.items():
+            r = results["variances"][name] = future.result()
             print(f"{name}: {r['passed']} passed, {len(r['failed'])} failed, {r['wall_s']} s", flush=True)
     Path(f"{args.out}.json").write_text(json.dumps(results, indent=1) + "\n")
     Path(f"{args.out}.md").write_text(report(results))
