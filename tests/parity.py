@@ -13,9 +13,10 @@ from __future__ import annotations
 
 FLOAT64_EPS = 2.0**-52
 # How many float64 epsilons one training step may cost, relative: the worst float32 amplification seen
-# (700 epsilons over four AdamW steps, about 200 a step) times 5,000 for headroom. Four steps give
-# 4.4e-9: 1e4 above the largest float64 distance measured (3e-13, GPT-2's parameters in
-# test_fsdp_user_models), and far below what the bugs of experiments/bug_injection.py move.
+# (700 epsilons over four AdamW steps, about 200 a step) times 5,000 for headroom: 2.2e-10 a step.
+# Three steps give 6.7e-10, 2,000 times the largest float64 distance measured (3.3e-13, GPT-2's key
+# biases in test_fsdp_user_models), and far below what the bugs of experiments/bug_injection.py move
+# (the smallest, a gradient not divided by the world size, which AdamW nearly hides: 8.9e-7).
 EPS_PER_STEP = 1e6
 
 

@@ -10,7 +10,7 @@ mismatched collective.
 
 Bound: float64 (every model and batch), at most four AdamW steps. Sharded and single-process training
 differ only in the order gradients are summed (rows split over ranks, then averaged); in float64 that
-rounding stays far under Adam's eps, so ``tests.parity.float64_rtol`` bounds it (4.4e-9) whatever the
+rounding stays far under Adam's eps, so ``tests.parity.float64_rtol`` bounds it (8.9e-10) whatever the
 CPU's kernels; a rank that drops or misorders a gradient is off by 1e-3 to 1e-1. Measured at 2 and 4
 ranks, under ATEN_CPU_CAPABILITY=default and avx2 alike: losses 1.1e-16 to 6.0e-16, parameters 8.5e-17
 to 3.0e-15 (SwitchTransformers' the largest; in float32 it gave 1e-7 under default, 4e-5 under avx2).
