@@ -89,8 +89,10 @@ def _torch_stale_gathered_shard() -> None:
 def _torch_ep_gradient_dropped() -> None:
     """Expert parallelism's all-to-all backward loses the gradient rows of the last EP rank's block (an
     expert's gradient from that rank's tokens, and those tokens' gradient, never arrive)."""
-    from torch_backend.models import expert_parallel
+    import importlib
 
+    # the module, not the function of that name that torch_backend.models exports
+    expert_parallel = importlib.import_module("torch_backend.models.expert_parallel")
     original = expert_parallel._AllToAll.backward
 
     def backward(ctx, grad):
@@ -208,15 +210,19 @@ def run_tests(tests: list[str], bug: str | None, workdir: Path, timeout_scale: f
         env[WORKER_PRELOAD_ENV] = "experiments._bug_in_workers"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), env.get("PYTHONPATH")]))
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "experiments.bug_injection",
-                    f"--junitxml={xml}", *tests], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "experiments.bug_injection",
+                           f"--junitxml={xml}", *tests], env=env, capture_output=True, text=True)
+    wall_s = round(time.perf_counter() - start, 1)
+    if not xml.exists():  # pytest itself failed (the patch raised, say): no test ran, nothing was caught
+        tail = (proc.stdout + proc.stderr)[-300:]
+        return {"outcomes": {t: f"not run: {tail}" for t in tests}, "wall_s": wall_s}
     outcomes = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         node = f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}"
         failure = case.find("failure") if case.find("failure") is not None else case.find("error")
         outcomes[node] = ("skipped" if case.find("skipped") is not None else
                           "passed" if failure is None else "failed: " + failure.get("message", "")[:300])
-    return {"outcomes": outcomes, "wall_s": round(time.perf_counter() - start, 1)}
+    return {"outcomes": outcomes, "wall_s": wall_s}
 
 
 def report(results: dict) -> str:
