@@ -64,8 +64,7 @@ VARIANCES: dict[str, Variance] = {
     # torch's gloo workers already run one thread each (tests/torch_backend/_dist.py); the test process
     # and XLA's intra-op pool get one here.
     "one_thread": Variance({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"},
-                           ("torch", "jax")),
+                            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}, ("torch", "jax")),
 }
 
 
@@ -144,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variances", help=f"comma-separated, of {', '.join(VARIANCES)} (default: all)")
     parser.add_argument("--out", default=str(RESULTS / "variance_check"), help="stem of the .md and .json")
     parser.add_argument("--jobs", type=int, default=1, help="pytest processes at a time")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other variances of an earlier run over the same tests in --out")
     parser.add_argument("--timeout-scale", type=float, default=10.0,
                         help="multiplies the gloo launches' timeouts (this checks numerics, not speed)")
     args = parser.parse_args(argv)
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     machine = cpu()
     results = {"cpu": machine, "tests": only or [t for ts in NUMERICS_TESTS.values() for t in ts],
                "variances": {}}
+    earlier = Path(f"{args.out}.json")
+    if args.update and earlier.exists() and json.loads(earlier.read_text())["tests"] == results["tests"]:
+        results["variances"] = json.loads(earlier.read_text())["variances"]
     runnable = [n for n in names if tests_for(VARIANCES[n], only)]
     results["not_run"] = [n for n in runnable if VARIANCES[n].needs_isa not in (None, *machine["isas"])]
     with tempfile.TemporaryDirectory() as workdir, ThreadPoolExecutor(args.jobs) as pool:
