@@ -62,8 +62,7 @@ import ragged.muon  # noqa: E402
 from experiments._hlo import collective_bytes, memory  # noqa: E402
 from experiments._muon_case import LR, MOMENTUM, matrices  # noqa: E402
 from experiments._muon_case import layouts as plan_layouts  # noqa: E402
-from jax_backend import full_params, make_mesh, shard_params  # noqa: E402
-from jax_backend._compat import shard_map  # noqa: E402
+from jax_backend import full_params, make_mesh, shard_map, shard_params  # noqa: E402
 from jax_backend.optim import muon_plan, newton_schulz, scale_by_muon  # noqa: E402
 
 AXIS = "fsdp"

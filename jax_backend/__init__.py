@@ -12,7 +12,7 @@ from jax_backend._checkpoint import (
     save_neutral_checkpoint,
     save_neutral_params,
 )
-from jax_backend._compat import make_mesh
+from jax_backend._compat import make_mesh, shard_map
 from jax_backend._model import shard_model
 from jax_backend._names import flatten_params
 from jax_backend._optax import (
@@ -51,6 +51,7 @@ __all__ = [
     "on_shards",
     "save_neutral_checkpoint",
     "save_neutral_params",
+    "shard_map",
     "shard_model",
     "shard_optimizer",
     "shard_optimizer_state",

@@ -217,6 +217,9 @@ def _switch_transformers(mesh, rank: int, world: int) -> dict:
     """HuggingFace SwitchTransformers (experts are separate modules, run only when hit), one unit per
     block and the root, against single-process training; returns which experts each rank hit."""
     from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+    from transformers.models.switch_transformers.modeling_switch_transformers import (
+        SwitchTransformersTop1Router,
+    )
 
     from torch_backend import fully_shard
 
@@ -227,6 +230,9 @@ def _switch_transformers(mesh, rank: int, world: int) -> dict:
         decoder_start_token_id=0, pad_token_id=0)
     torch.manual_seed(SEED)
     plain = SwitchTransformersForConditionalGeneration(config)
+    for m in plain.modules():  # the config has no float64 router: each forward would cast it to float32
+        if isinstance(m, SwitchTransformersTop1Router):
+            m.dtype = torch.float64
     model = copy.deepcopy(plain)
     for stack in (model.encoder, model.decoder):
         for block in stack.block:
@@ -256,6 +262,7 @@ def _switch_transformers(mesh, rank: int, world: int) -> dict:
 
 
 def checks(rank: int, world: int) -> dict:
+    torch.set_default_dtype(torch.float64)  # every model and batch below: parity far from rounding
     cases = {}
     mesh = init_device_mesh("cpu", (world,))
     cases["routed"] = lambda: _routed(mesh, rank, world)

@@ -24,7 +24,13 @@ from collections.abc import Callable
 from datetime import timedelta
 
 Results = dict[str, object]
-_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch_backend"]
+# Launch timeouts are sized for an idle 2-core machine; tools that check numerics, not speed, on a loaded
+# one (experiments/bug_injection.py, experiments/variance_check.py) multiply them by this.
+TIMEOUT_SCALE_ENV = "RAGGED_LAUNCH_TIMEOUT_SCALE"
+# What the forkserver imports once for every worker; $RAGGED_WORKER_PRELOAD adds modules (space-separated:
+# experiments/bug_injection.py's, which patches the runtime in every worker).
+_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch_backend",
+            *os.environ.get("RAGGED_WORKER_PRELOAD", "").split()]
 
 
 def _load(path: str):
@@ -78,12 +84,14 @@ def collect(path: str, fn: str, world: int, *args: object, answers: int | None =
             timeout_s: float = 90.0, pg_timeout_s: float = 20.0) -> dict[int, Results]:
     """Run ``fn(rank, world, *args)`` of the module at ``path`` on ``world`` gloo workers.
 
-    Returns once ``answers`` ranks (default: all) answered or ``timeout_s`` passed without an answer,
-    then kills whatever still runs (a killed or hung rank never answers).
+    Returns once ``answers`` ranks (default: all) answered or ``timeout_s`` (times
+    ``$RAGGED_LAUNCH_TIMEOUT_SCALE``, default 1) passed without an answer, then kills whatever still runs
+    (a killed or hung rank never answers).
 
     Returns:
         ``{rank: result}`` for the ranks that answered.
     """
+    timeout_s *= float(os.environ.get(TIMEOUT_SCALE_ENV, "1"))
     ctx = _context()
     out = ctx.Queue()
     results: dict[int, Results] = {}

@@ -60,7 +60,9 @@ def batch(step: int, floats: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+    logits = model(x)  # bf16 under a policy: the loss in float32 then, else in the model's float64
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 def rows_of(rank: int, world: int) -> slice:
@@ -606,6 +608,8 @@ def _compiled(mesh, rank: int, world: int) -> dict:
 
 # ----- the checks of one launch -------------------------------------------------------------------------
 def checks(rank: int, world: int, path: str) -> dict:
+    torch.set_default_dtype(torch.float64)  # every model and batch (masters too, under a policy): parity far
+    # from rounding
     mesh = init_device_mesh("cpu", (world,))
     cases = {}
     cases["module_api"] = lambda: _module_api(mesh)

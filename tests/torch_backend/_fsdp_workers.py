@@ -23,6 +23,9 @@ from ragged.models import LLAMA_TINY
 from tests.torch_backend._dist import run_cases
 
 B, T, STEPS, SAVE_AT = 12, 16, 10, 5  # 12 rows split evenly over 1, 2, 3 and 4 ranks
+# The parity checks' dtype (masters, compute, gloo's reductions): far from rounding (tests/parity.py). The
+# bf16 policy keeps fp32 masters and the debug counter counts fp32 bytes (the simulator's).
+FULL = torch.float64
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 0
 
 
@@ -37,11 +40,12 @@ def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def reference(steps: int = STEPS) -> dict:
-    """Single-process training: losses of every step and the parameters at the end."""
+    """Single-process training in ``FULL``: losses of every step and the parameters at the end."""
     from torch_backend.models import Llama, cross_entropy
 
     model = Llama()
     model.init_weights(SEED)
+    model.to(FULL)
     opt = optimizer(model)
     out = {"losses": []}
     for step in range(steps):
@@ -57,12 +61,12 @@ def reference(steps: int = STEPS) -> dict:
 
 
 # ----- helpers run inside the workers ---------------------------------------------------------------
-def _sharded_model(mesh, seed: int = SEED, **kwargs) -> torch.nn.Module:
+def _sharded_model(mesh, seed: int = SEED, dtype: torch.dtype = FULL, **kwargs) -> torch.nn.Module:
     from torch_backend.models import Llama, parallelize
 
     model = Llama()
     model.init_weights(seed)
-    return parallelize(model, mesh, **kwargs)
+    return parallelize(model.to(dtype), mesh, **kwargs)
 
 
 def _fsdp2_model(mesh) -> torch.nn.Module:
@@ -73,6 +77,7 @@ def _fsdp2_model(mesh) -> torch.nn.Module:
 
     model = Llama()
     model.init_weights(SEED)
+    model.to(FULL)
     for unit in (model.tok_embeddings, *model.layers, [model.norm, model.output], model):
         fully_shard(unit, mesh=mesh)
     return model
@@ -93,7 +98,7 @@ def _train(model, opt, steps: range, dp_rank: int, dp_size: int, micro: int = 1,
     for step in steps:
         x, y = batch(step)
         x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=torch.float64)
         for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
             model.set_requires_gradient_sync(i == micro - 1)  # reduce once, after the last micro-batch
             loss = cross_entropy(model(xm), ym) / micro
@@ -115,10 +120,10 @@ def _full_params(model) -> dict[str, np.ndarray]:
 
 # ----- the checks of one launch ---------------------------------------------------------------------
 def parity_checks(rank: int, world: int, ckpt_dir: str) -> dict:
-    """fp32 parity at every world size, plus the extra checks a world size hosts."""
+    """``FULL`` parity at every world size, plus the extra checks a world size hosts."""
     mesh = init_device_mesh("cpu", (world,))
 
-    def fp32() -> dict:
+    def full() -> dict:
         model = _sharded_model(mesh)
         opt = optimizer(model)
         save, out = None, {}
@@ -137,7 +142,7 @@ def parity_checks(rank: int, world: int, ckpt_dir: str) -> dict:
         _train(model, optimizer(model), range(STEPS), rank, world)
         return {"params": _full_params(model)}
 
-    checks = {"fp32": fp32, "fp32 fsdp2": fsdp2}
+    checks = {"full": full, "full fsdp2": fsdp2}
     if world == 4:
         checks |= {"counter": lambda: _counter(mesh), "bf16": lambda: _bf16(mesh),
                    "hsdp": lambda: _hsdp(rank), "hsdp fsdp2": lambda: _hsdp(rank, fsdp2=True)}
@@ -157,7 +162,7 @@ def _counter(mesh) -> dict:
 
     out = {}
     for reshard in (False, True):
-        model = _sharded_model(mesh, reshard_after_forward=reshard)
+        model = _sharded_model(mesh, dtype=torch.float32, reshard_after_forward=reshard)
         opt = optimizer(model)
         _train(model, opt, range(2), mesh.get_rank(), mesh.size())  # warm-up: optimizer state exists
         with debug_counter() as c:
@@ -175,7 +180,8 @@ def _counter(mesh) -> dict:
 def _bf16(mesh) -> dict:
     from torch_backend import MixedPrecisionPolicy
 
-    model = _sharded_model(mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    model = _sharded_model(mesh, dtype=torch.float32,
+                           mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     opt = optimizer(model)
     losses = _train(model, opt, range(STEPS), mesh.get_rank(), mesh.size())
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
@@ -261,7 +267,7 @@ def _layouts(mesh) -> dict:
     from torch_backend.fsdp import units
     from torch_backend.models import Llama
 
-    model = _sharded_model(mesh)
+    model = _sharded_model(mesh, dtype=torch.float32)
     plain = Llama()
     groups = {"tok_embeddings": [plain.tok_embeddings], "output": [plain.norm, plain.output],
               **{f"layers.{i}": [b] for i, b in enumerate(plain.layers)}}

@@ -36,6 +36,10 @@ EP_MODELS = MODELS[:2]  # the two storage styles: per-expert modules, fused 3-D 
 STEPS, ROWS, SEQ, SEED, LR, WEIGHT_DECAY = 5, 4, 8, 0, 1e-2, 0.1  # 4 rows: an even split over 2 and 4 ranks
 
 
+# The dtype of test_fsdp_moe's cases without a policy (masters, compute, gloo's reductions): parity far
+# from rounding (tests/parity.py). The bf16 policy keeps fp32 masters; test_moe_optim's
+# optimizers and test_moe_dcp stay fp32.
+FULL = torch.float64
 SKEWED = "+skewed"  # a router bias of +5 on experts 0 .. top_k-1 of every MoE layer: every token goes there
 # one MoE layer of 6 experts: at ep 2 an EP rank holds 3, an odd number of equal expert matrices (3 or
 # 3 + 3) for its 2 fsdp ranks, so whole-matrix NS devices cannot balance them (two layers would: 18, 6 + 6)
@@ -49,14 +53,15 @@ def config(name: str):
     return MOE_CONFIGS[name.removesuffix(SKEWED)]
 
 
-def build(name: str):
-    """The model of ``name`` with its init; ``+skewed``: routing fixed on the first experts (the experts
-    of the other EP ranks then receive nothing, every step)."""
+def build(name: str, dtype: torch.dtype = torch.float32):
+    """The model of ``name`` with its init, in ``dtype``; ``+skewed``: routing fixed on the first experts
+    (the experts of the other EP ranks then receive nothing, every step)."""
     from torch_backend.models import MoEDecoder
 
     c = config(name)
     model = MoEDecoder(c)
     model.init_weights(SEED)
+    model.to(dtype)
     if name.endswith(SKEWED):
         with torch.no_grad():
             for layer in model.layers[c.n_dense_layers:]:
@@ -88,12 +93,13 @@ def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype,
               optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = adamw
               ) -> tuple[list[float], dict]:
     """Single-process training: each step, every rank's rows forward and backward apart on a ``dtype``
-    copy of the fp32 master; gradients summed in fp32 and averaged; ``optimizer`` (AdamW) on the master.
-    ``world``: the ranks, or the ranks of each step (a run resumed at another world size)."""
+    copy of the master (``dtype`` itself, fp32 for bf16); gradients summed in the master's dtype and
+    averaged; ``optimizer`` (AdamW) on the master. ``world``: the ranks, or the ranks of each step (a run
+    resumed at another world size)."""
     from torch_backend.models import moe_loss
 
     c = config(name)
-    master = build(name)
+    master = build(name, torch.float32 if dtype == torch.bfloat16 else dtype)
     opt = optimizer(master)
     losses = []
     worlds = (world,) * STEPS if isinstance(world, int) else world
@@ -105,7 +111,7 @@ def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype,
             loss.backward()
             for p, q in zip(master.parameters(), compute.parameters()):
                 if q.grad is not None:  # an expert no row chose keeps .grad None, as in plain training
-                    g = q.grad.float() / world
+                    g = q.grad.to(p.dtype) / world
                     p.grad = g if p.grad is None else p.grad + g
             step_loss += loss.item() / world
         opt.step()
@@ -115,14 +121,14 @@ def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype,
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double()
             for n, p in model.named_parameters()}
 
 
 def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None, optimizer=adamw,
-            granularity=None) -> tuple:
-    """``parallelize`` (after ``expert_parallel`` on ``ep_mesh``, both with ``granularity``) and train on
-    this rank's rows with ``optimizer`` (AdamW).
+            granularity=None, master: torch.dtype = torch.float32) -> tuple:
+    """``parallelize`` (after ``expert_parallel`` on ``ep_mesh``, both with ``granularity``) the model
+    built in ``master`` and train on this rank's rows with ``optimizer`` (AdamW).
 
     Returns the mean losses, the full parameters and the experts each MoE layer's router chose here per
     step (with ``ep_mesh``: and the rows this rank's experts received, per step and layer)."""
@@ -131,7 +137,7 @@ def sharded(name: str, mesh, rank: int, world: int, bf16: bool, ep_mesh=None, op
     from torch_backend.models.expert_parallel import expert_parallel
 
     c = config(name)
-    model = build(name)
+    model = build(name, master)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     if ep_mesh is not None:
         expert_parallel(model, ep_mesh, mp_policy=mp, granularity=granularity)
@@ -165,17 +171,20 @@ def train(model, opt, name: str, rank: int, world: int, steps: range,
         loss.backward()
         opt.step()
         opt.zero_grad()
-        loss = loss.detach().float()
+        loss = loss.detach().double()
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
     return losses
 
 
 def case(name: str, mesh, rank: int, world: int, bf16: bool) -> dict:
-    losses, params, routes = sharded(name, mesh, rank, world, bf16)
+    """Trained in float64 (its reference ``full`` too), or under the bf16 policy with fp32 masters (then
+    ``full`` is fp32 training, and ``policy`` the FSDP-free policy reference)."""
+    full = torch.float32 if bf16 else FULL
+    losses, params, routes = sharded(name, mesh, rank, world, bf16, master=full)
     out = {"routes": routes, "top_k": config(name).top_k, "n_experts": config(name).n_experts}
     if rank == 0:
-        for label, dtype in [("fp32", torch.float32)] + ([("policy", torch.bfloat16)] if bf16 else []):
+        for label, dtype in [("full", full)] + ([("policy", torch.bfloat16)] if bf16 else []):
             want_losses, want_params = reference(name, world, dtype)
             out[label] = {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
                           "params": rel_errors(params, want_params)}
@@ -202,12 +211,13 @@ def global_expert_names(params: dict, name: str, ep_mesh) -> dict:
 
 
 def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: bool = False, *,
-            optimizer=adamw, granularity=None) -> dict:
+            optimizer=adamw, granularity=None, full: torch.dtype = torch.float32) -> dict:
     """Expert parallelism on an (ep, fsdp) mesh, every other parameter over all ranks; with ``replicas``
     (HSDP) on a (replicas, ep, fsdp) mesh, the rest on (replicas, ep * fsdp). fp32, or bf16 under the
     mixed-precision policy: then also compared with the policy reference, and that reference with fp32
-    training (``policy_vs_fp32``: the policy's own distance, which FSDP2 and plain FSDP reproduce).
-    Trained and referenced with ``optimizer`` (AdamW), sharded with ``granularity``."""
+    training (``policy_vs_full``: the policy's own distance, which FSDP2 and plain FSDP reproduce).
+    Trained and referenced with ``optimizer`` (AdamW), sharded with ``granularity``; ``full``: the dtype of
+    the master and of the full-precision reference (``full``), fp32 under the bf16 policy."""
     fsdp = world // (replicas * ep)
     if replicas == 1:
         ep_mesh = init_device_mesh("cpu", (ep, fsdp), mesh_dim_names=("ep", "fsdp"))
@@ -216,18 +226,18 @@ def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: 
         ep_mesh = init_device_mesh("cpu", (replicas, ep, fsdp), mesh_dim_names=("replicate", "ep", "fsdp"))
         mesh = init_device_mesh("cpu", (replicas, ep * fsdp))
     losses, params, (routes, received) = sharded(name, mesh, rank, world, bf16, ep_mesh, optimizer,
-                                                 granularity)
+                                                 granularity, full)
     out = {"rank": rank, "routes": routes, "received": received, "top_k": config(name).top_k,
            "n_experts": config(name).n_experts}
     refs = {label: reference(name, world, dtype, optimizer)
-            for label, dtype in [("fp32", torch.float32)] + ([("policy", torch.bfloat16)] if bf16 else [])}
+            for label, dtype in [("full", full)] + ([("policy", torch.bfloat16)] if bf16 else [])}
     for label, (want_losses, want) in refs.items():
         got, ref = held_and_reference(params, name, ep_mesh, want)
         out[label] = {"loss": loss_error(losses, want_losses), "params": rel_errors(got, ref)}
     if bf16:
-        (fp32_losses, fp32_params), (policy_losses, policy_params) = refs["fp32"], refs["policy"]
-        out["policy_vs_fp32"] = {"loss": loss_error(policy_losses, fp32_losses),
-                                 "params": rel_errors(policy_params, fp32_params)}
+        (full_losses, full_weights), (policy_losses, policy_weights) = refs["full"], refs["policy"]
+        out["policy_vs_full"] = {"loss": loss_error(policy_losses, full_losses),
+                                 "params": rel_errors(policy_weights, full_weights)}
     out["expert_numel_held"] = sum(p.numel() for n, p in got.items() if ".experts." in n)
     out["expert_numel_total"] = sum(p.numel() for n, p in want.items() if ".experts." in n)
     return out
@@ -257,11 +267,11 @@ def checks(rank: int, world: int) -> dict:
         cases[f"{name}/fp32"] = lambda name=name: case(name, mesh, rank, world, bf16=False)
         cases[f"{name}/bf16"] = lambda name=name: case(name, mesh, rank, world, bf16=True)
         for ep in {2: (2,), 4: (2, 4)}[world]:
-            cases[f"{name}/ep{ep}"] = lambda name=name, ep=ep: ep_case(name, rank, world, ep)
+            cases[f"{name}/ep{ep}"] = lambda name=name, ep=ep: ep_case(name, rank, world, ep, full=FULL)
     if world == 4:
         skewed = f"gpt-oss-tiny{SKEWED}"
         for ep in (2, 4):
-            cases[f"{skewed}/ep{ep}"] = lambda ep=ep: ep_case(skewed, rank, world, ep)
+            cases[f"{skewed}/ep{ep}"] = lambda ep=ep: ep_case(skewed, rank, world, ep, full=FULL)
         cases["ep-mesh-refused"] = lambda: refused_ep_mesh(("ep", "replicate", "fsdp"))
     return run_cases(cases)
 
@@ -288,5 +298,6 @@ def hsdp_checks(rank: int, world: int, bf16: bool) -> dict:
     """Expert parallelism with HSDP: (replicas, ep, fsdp) = (2, 2, 2) on 8 ranks, in fp32 (and with routing
     skewed onto EP rank 0's experts) or bf16."""
     names = EP_MODELS + (() if bf16 else (f"gpt-oss-tiny{SKEWED}",))
-    return run_cases({f"{name}/hsdp2-ep2": lambda name=name: ep_case(name, rank, world, 2, 2, bf16)
+    full = torch.float32 if bf16 else FULL
+    return run_cases({f"{name}/hsdp2-ep2": lambda name=name: ep_case(name, rank, world, 2, 2, bf16, full=full)
                       for name in names})

@@ -53,7 +53,7 @@ def assert_equals_single_process(ranks: list[dict], params_rtol: float) -> None:
         assert_experts_went_empty_on_some_ranks(ranks)
     for r in ranks:
         assert r["expert_numel_held"] * 2 == r["expert_numel_total"], r  # E / ep experts on each EP rank
-        assert r["fp32"]["loss"] <= FP32_RTOL and r["fp32"]["params"] <= params_rtol, r["fp32"]
+        assert r["full"]["loss"] <= FP32_RTOL and r["full"]["params"] <= params_rtol, r["full"]
 
 
 @pytest.mark.parametrize("name", MODELS)

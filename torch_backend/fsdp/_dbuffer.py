@@ -123,8 +123,14 @@ class DBuffer:
         self.shard.copy_(other, non_blocking=non_blocking)
 
     def norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The ``norm_type`` vector norm of every tensor of the unit held here, in one kernel."""
-        return torch.linalg.vector_norm(self.shard, norm_type, dtype=torch.float32)
+        """The ``norm_type`` vector norm of every tensor of the unit held here, in one kernel (in fp32, or in
+        the buffer's dtype if wider)."""
+        return torch.linalg.vector_norm(self.shard, norm_type, dtype=norm_dtype(self.dtype))
+
+
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a norm of ``dtype`` values is summed in: fp32 for bf16/fp16/fp32, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _allocated(t: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ from ragged import Granularity, GranularityRule, Layout, TensorSpec
 from torch_backend._collectives import all_reduce
 from torch_backend._torch_internals import offset_free, source_mesh
 from torch_backend.fsdp._api import as_mp_policy, offloads_to_cpu
+from torch_backend.fsdp._dbuffer import norm_dtype
 from torch_backend.fsdp._hooks import EmbeddingRenorm, FSDPState, states_under
 from torch_backend.fsdp._module import FSDPModule
 from torch_backend.fsdp._tensor_parallel import check_one_tp_mesh, shard_dims_split, tensor_parallel
@@ -477,14 +478,15 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     if len(tp_groups) > 1:
         raise ValueError(f"clip_grad_norm_: the units under {type(module).__name__} use {len(tp_groups)} "
                          "different TP meshes; their norms cannot be summed over one TP group")
-    zero = torch.zeros((), dtype=torch.float32, device=device)
+    dtype = functools.reduce(torch.promote_types, (norm_dtype(u.main_grad.dtype) for u in live))
+    zero = torch.zeros((), dtype=dtype, device=device)
     replicated, tp_sharded = [zero], [zero]  # p-th powers of local norms
     for u in live:
         if u.tp_group is None:
             replicated.append(u.main_grad.norm(norm_type).to(device) ** norm_type)
             continue
         for ref, tp in zip(u.refs, u.tensor_parallel):
-            norm = torch.linalg.vector_norm(u.main_grad.shard_view(ref.name), norm_type, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(u.main_grad.shard_view(ref.name), norm_type, dtype=dtype)
             (tp_sharded if tp is not None and tp.sharded else replicated).append(norm.to(device) ** norm_type)
     total = torch.stack(replicated).sum()
     if tp_groups:

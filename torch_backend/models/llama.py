@@ -21,6 +21,12 @@ from ragged.models import LLAMA_TINY, LlamaConfig
 from torch_backend._torch_internals import loss_parallel_active
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or in its own dtype if wider: bf16 models normalise and score in fp32, and a float64
+    model (the parity tests') stays float64 throughout."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``; the statistics are taken in fp32 even when ``x`` is bf16."""
 
@@ -33,7 +39,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = at_least_fp32(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight
 
@@ -41,14 +47,14 @@ class RMSNorm(nn.Module):
 def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate consecutive pairs ``(x[2i], x[2i+1])`` by position-dependent angles (Meta's layout).
 
-    x: (B, T, H, D) -> (B, T, H, D); the angles are computed in fp32 from the shapes, so there is no
-    buffer to materialise after building on the meta device.
+    x: (B, T, H, D) -> (B, T, H, D); the angles are computed in fp32 (float64 for a float64 ``x``) from
+    the shapes, so there is no buffer to materialise after building on the meta device.
     """
     _, t, _, d = x.shape
-    freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)  # (D/2,)
-    angles = torch.arange(t, dtype=torch.float32, device=x.device)[:, None] * freqs[None, :]  # (T, D/2)
+    pairs = at_least_fp32(x).reshape(*x.shape[:-1], d // 2, 2)
+    freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=pairs.dtype, device=x.device) / d)  # (D/2,)
+    angles = torch.arange(t, dtype=pairs.dtype, device=x.device)[:, None] * freqs[None, :]  # (T, D/2)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
-    pairs = x.float().reshape(*x.shape[:-1], d // 2, 2)
     re, im = pairs[..., 0], pairs[..., 1]
     out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1)
     return out.reshape(x.shape).to(x.dtype)
@@ -178,7 +184,8 @@ def init_parameters(model: nn.Module, seed: int = 0, only: Collection[str] | Non
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in fp32, as a plain scalar tensor.
+    """Mean next-token cross entropy, computed in fp32 (or in the logits' dtype, if wider), as a plain
+    scalar tensor.
 
     ``logits`` split by vocabulary over a TP mesh (a DTensor ``Shard(-1)``, ``apply_tensor_parallel``'s
     loss parallelism) give the same loss on every TP rank; call this and ``backward`` under
@@ -193,5 +200,5 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             f"{tuple(logits.device_mesh.shape)} (split by vocabulary: apply_tensor_parallel's loss_parallel="
             "True); compute the loss and call backward under torch.distributed.tensor.parallel."
             "loss_parallel(), or build the model with loss_parallel=False")
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten())
     return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated: every TP rank's value

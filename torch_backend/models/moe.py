@@ -27,6 +27,7 @@ from torch_backend.models.llama import (
     FeedForward,
     OneProcessPlace,
     RMSNorm,
+    at_least_fp32,
     cross_entropy,
     init_parameters,
 )
@@ -42,13 +43,14 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(c.n_experts)) if c.router_bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (N, dim) -> weights (N, k) fp32, experts (N, k) int64, probs (N, E) fp32.
+        """x: (N, dim) -> weights (N, k) fp32, experts (N, k) int64, probs (N, E) fp32 (float64 for a
+        float64 ``x``).
 
         softmax: the top-k of the softmax, renormalised (= a softmax over the top-k logits, GPT-OSS's
         form); sigmoid: the top-k sigmoid scores, renormalised and scaled (DeepSeek-V3); ``probs`` (what
         the load-balancing loss averages) sum to 1 per token in both.
         """
-        logits = F.linear(x, self.weight, self.bias).float()  # (N, E)
+        logits = at_least_fp32(F.linear(x, self.weight, self.bias))  # (N, E)
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
         top, experts = scores.topk(self.top_k, dim=-1)  # (N, k), largest first
         weights = top / top.sum(-1, keepdim=True) * self.routed_scale
@@ -62,7 +64,7 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Ten
     choices and carries no gradient; ``P_e`` (the mean probability) does.
     """
     n_experts = probs.shape[-1]
-    share = torch.bincount(experts.flatten(), minlength=n_experts).float() / experts.numel()  # (E,)
+    share = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype) / experts.numel()  # (E,)
     return n_experts * (share * probs.mean(0)).sum()
 
 

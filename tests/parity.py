@@ -1,0 +1,29 @@
+"""Parity bounds: how far a sharded run may be from its reference, from the dtype's rounding and nothing else.
+
+A sharded run and its single-process reference compute the same sums in another order, so they differ by
+roundings only. AdamW amplifies those wherever a gradient is near zero (a rounding-sized gradient becomes
+a step of arbitrary sign), by an amount that depends on the CPU's kernels: in float32 the same four steps
+measured 1e-7 on one machine and 4e-5 (700 float32 epsilons) on another. In float64 the same noise sits
+far under Adam's ``eps`` (1e-8), so it is not amplified at all, and a bound of many float64 epsilons per
+step sits orders of magnitude above rounding and orders of magnitude below any real bug (a wrong shard
+offset, a missing divide, a dropped expert gradient moves results by 1e-3 or more).
+"""
+
+from __future__ import annotations
+
+FLOAT64_EPS = 2.0**-52
+# How many float64 epsilons one training step may cost, relative: the worst float32 amplification seen
+# (700 epsilons over four AdamW steps, about 200 a step) times 5,000 for headroom: 2.2e-10 a step.
+# Three steps give 6.7e-10, 2,000 times the largest float64 distance measured (3.3e-13, GPT-2's key
+# biases in test_fsdp_user_models), and far below what the bugs of experiments/bug_injection.py move
+# (the smallest, a gradient not divided by the world size, which AdamW nearly hides: 8.9e-7).
+EPS_PER_STEP = 1e6
+
+
+def float64_rtol(steps: int) -> float:
+    """The relative bound on losses and parameters after ``steps`` float64 training steps (or one
+    forward and backward, ``steps=1``) compared with a reference that sums in another order."""
+    if steps < 1:
+        raise ValueError(f"float64_rtol: steps must be at least 1, got {steps}")
+    return FLOAT64_EPS * EPS_PER_STEP * steps
+
