@@ -442,7 +442,8 @@ class RootContext:
             seen = torch.zeros(sum(sizes) + 4, dtype=torch.int64, device=units[0].device)
             for u, part in zip(units, seen.split(sizes + [4])):  # each unit writes its view: no concatenation
                 u.landed_mask(part)
-            seen[-4:] = torch.tensor([collectives, -collectives, calls, -calls])
+            for i, code in enumerate((collectives, -collectives, calls, -calls), start=len(seen) - 4):
+                seen[i].fill_(code)  # a fill: ``seen[i] = code`` would copy from a host scalar tensor
             for group in (shard_group, replicate_group):
                 if group is not None:
                     all_reduce(seen, group, label="landed gradients", op=dist.ReduceOp.MAX).wait()
