@@ -40,6 +40,12 @@ class Pending:
         self._what = what
         self._event = event
 
+    @property
+    def done(self) -> bool:
+        """The collective has completed (a query: never blocks the host nor orders a stream)."""
+        return ((self._work is None or self._work.is_completed())
+                and (self._event is None or self._event.query()))
+
     def wait(self) -> None:
         work, self._work = self._work, None
         if work is not None:

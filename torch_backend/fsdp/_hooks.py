@@ -374,25 +374,16 @@ class RootContext:
             queue_backward_callback(self.end_backward)
 
     def reduce_ready(self) -> None:
-        """Issue the reduce-scatters of the units at the head of the order whose backward is over.
-
-        The reduce issued before ran while this unit's backward computed; finishing it first frees its
-        unsharded gradients before the next reduce needs memory, so one is in flight.
-        """
+        """Issue the reduce-scatters of the units at the head of the order whose backward is over."""
         while self._to_reduce and self._to_reduce[0]._backward_done:
             self._reduce(self._to_reduce.pop(0))
 
     def _reduce(self, state: FSDPState) -> None:
-        # The reduce before this one is done before it is issued (its unsharded gradients freed: one
-        # in flight); HSDP's all-reduce of that one is finished a unit later, hidden behind backward.
-        reducing = []
-        for unit in self._reducing:
-            if unit.reduce_scattered:
-                unit.finish_reduce()
-            else:
-                unit.advance_reduce()
-                reducing.append(unit)
-        self._reducing = reducing
+        # Reduces issued before are finished here if they have completed (their unsharded gradients
+        # freed before the next reduce needs memory; HSDP's all-reduce issued once the reduce-scatter
+        # is done, hidden behind backward). None is waited for before the end of backward: a peer may
+        # issue it only then (a unit that got no gradient there) and need this rank's all-gathers first.
+        self._reducing = [u for u in self._reducing if not u.try_finish_reduce()]
         if state.unit.will_reduce:
             self.schedule.reduced(state)
         if state.unit.reduce_gradients():

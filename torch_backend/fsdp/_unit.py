@@ -542,15 +542,24 @@ class Unit:
         self.reduce.free_full()
         self.reshard()
 
-    @property
-    def reduce_scattered(self) -> bool:
-        """The reduce-scatter is done (``advance_reduce`` ran): what is left is HSDP's all-reduce."""
-        return self._pending_reduce is None
+    def try_finish_reduce(self) -> bool:
+        """Finish the reduce if its collectives have completed (issuing HSDP's all-reduce once the
+        reduce-scatter has); returns whether it is finished. Never waits for a peer: one whose unit got
+        no gradient issues its reduce-scatter only at the end of its backward, and may need this rank's
+        next all-gathers first."""
+        if self._pending_reduce is not None:
+            if not self._pending_reduce.done:
+                return False
+            self.advance_reduce()
+        if self._pending_all_reduce is not None and not self._pending_all_reduce.done:
+            return False
+        self.finish_reduce()
+        return True
 
     def advance_reduce(self) -> None:
         """Wait for the reduce-scatter and free the unsharded gradients; HSDP then issues the all-reduce
-        over the replicas on the reduce-scatter stream, finished by ``finish_reduce`` a unit later, so
-        it runs while the next unit's backward computes."""
+        over the replicas on the reduce-scatter stream, finished by ``finish_reduce`` later, so it runs
+        while the next units' backward computes."""
         if self._pending_reduce is None:
             return
         pending, self._pending_reduce = self._pending_reduce, None
