@@ -151,8 +151,11 @@ class FSDPState:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
             self.needs_backward = True
         self._modules_left -= 1
-        if self._modules_left == 0 and not self.root.in_backward and self.unit is not None:
-            self.root.schedule.forward_done(self)
+        if self._modules_left == 0 and not self.root.in_backward:
+            if self.unit is not None:
+                self.root.schedule.forward_done(self)
+            if self.is_root:  # the model's forward is over: every unit is as its forward leaves it
+                self.root.schedule.reshard_done()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output

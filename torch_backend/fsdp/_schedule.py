@@ -75,7 +75,7 @@ class Schedule:
         again = state in self.done  # called again at once (a layer applied twice): still unsharded
         if again:
             self.done.remove(state)
-        self._reshard_done()
+        self.reshard_done()
         if not again and not self.ahead.pop(state, False):
             j = self._next(state)
             if j is None:  # a second call: the next pass
@@ -90,11 +90,12 @@ class Schedule:
                 self._take(j + 1)
 
     def forward_done(self, state: FSDPState) -> None:
-        """``state``'s forward ended: it reshards at the next unit's forward (or when backward starts),
-        so that a unit called again at once, on some ranks only, needs no gather the others lack."""
+        """``state``'s forward ended: it reshards at the next unit's forward (or when the root's forward
+        ends), so that a unit called again at once, on some ranks only, needs no gather the others lack."""
         self.done.append(state)
 
-    def _reshard_done(self) -> None:
+    def reshard_done(self) -> None:
+        """Reshard the units whose forward ended (the next unit's forward, the end of the root's)."""
         for s in self.done:
             s.stand_in()
         self.done = []
@@ -118,7 +119,7 @@ class Schedule:
     def end_forward(self) -> None:
         """Complete the pass in progress: gather the entries left, stand in for every forward that did
         not come (reshard as it would have)."""
-        self._reshard_done()
+        self.reshard_done()
         if self.pos == 0 and not self.ahead:
             return
         self._take(len(self.order))
