@@ -29,9 +29,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # The suite runs as two pytest processes, one per core: the in-process JAX tests and the rest (measured together on the
-# 2-core machine on a slow day: 20 and 19 minutes; the JAX `experiments.train` launches, 2.4 minutes of subprocesses, run
-# with the rest, as does the notebook test, 45 s). Each prints its slowest tests, for balancing. The JAX half's output
-# is printed after the other's.
+# 2-core machine after the trainer integrations landed: 26.5 and 27.5 minutes, over the 15-minute target). Each prints
+# its slowest tests, for balancing. The JAX half's output is printed after the other's.
 JAX_HALF := tests/jax_backend
 test: $(STAMP) lint
 	@$(PY) -m pytest -q --durations=15 $(JAX_HALF) > .pytest-jax.log 2>&1 & jax=$$!; \
