@@ -22,8 +22,8 @@ What no schedule can absorb, a unit called a data-dependent number of times on s
 end of the step: every rank folds a fingerprint of what it gathered and reduced into the one landed-
 gradient all-reduce, and all raise the same error before any gradient is given out (the same all-reduce
 tells whether every rank called its units in one order: the schedule then learns it). Set
-``RAGGED_FSDP_CHECK_EVENTS=1`` to check every collective before it is issued instead (a debug mode:
-one blocking all-reduce each), which stops such a step at its first mismatched collective.
+``RAGGED_FSDP_CHECK_EVENTS=1`` to check every all-gather before it is issued as well (a debug mode:
+one blocking all-reduce each), which stops such a step at its first mismatched all-gather.
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ class Schedule:
 
     def new_step(self) -> None:
         self.pos = 0  # the pass's next entry
-        self.ahead: dict[FSDPState, bool] = {}  # taken in this pass, their forward not come yet
+        self.ahead: dict[FSDPState, None] = {}  # taken in this pass, their forward not come yet (in order)
         self.done: list[FSDPState] = []  # their forward ended, not resharded yet
         self.trained: list[FSDPState] = []  # taken with grad this step, in the order taken
         self.observed: list[int] = []  # this rank's forward calls, to learn the order from
         self.backward: list[FSDPState] = []  # this step's backward gathers and reduce-scatters, in order
         self.bpos = 0
-        self.met: set[FSDPState] = set()
+        self.met: set[FSDPState] = set()  # backward entries met by the cursor or by their own backward
         self.fingerprints = {_GATHER: 0, _REDUCE: 0}  # what this rank gathered, and reduced, in order
 
     # ----- forward ---------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ class Schedule:
         if again:
             self.done.remove(state)
         self.reshard_done()
-        if not again and not self.ahead.pop(state, False):
+        if not again and state not in self.ahead:
             j = self._next(state)
             if j is None:  # a second call: the next pass
                 self.end_forward()
@@ -111,7 +111,7 @@ class Schedule:
         grad = torch.is_grad_enabled()
         for s in self.order[self.pos:stop]:
             self._gather(s, async_op=True)
-            self.ahead[s] = True
+            self.ahead[s] = None
             if grad and s not in self.trained:
                 self.trained.append(s)
         self.pos = max(self.pos, stop)
@@ -143,7 +143,7 @@ class Schedule:
         self.end_forward()
         self.backward = list(reversed(self.trained))
         self.bpos = 0
-        self.met: set[FSDPState] = set()  # backward entries met by the cursor or by their own backward
+        self.met = set()
 
     def backward_gather(self, state: FSDPState, targets: list[FSDPState] | None) -> None:
         """``state`` needs its parameters in backward: gather the backward schedule up to it, then
@@ -155,18 +155,23 @@ class Schedule:
         root, whose backward often comes first) takes nothing and moves no cursor.
         """
         if state not in self.met:
-            j = next((i for i in range(self.bpos, len(self.backward)) if self.backward[i] is state), None)
-            if j is not None and state.unshard_in_backward and state.unit.needs_gather:
-                self._gather_backward(j + 1)
-            elif state.unshard_in_backward and state.unit.needs_gather:  # not trained this step
-                self._gather(state)
+            j = self._backward_next(state)
+            if state.unshard_in_backward and state.unit.needs_gather:
+                if j is None:  # not trained this step
+                    self._gather(state)
+                else:
+                    self._gather_backward(j + 1)
             self.met.add(state)
         if state.unshard_in_backward:
             state.unit.unshard()
         for t in targets if targets is not None else self._unmet(1):
-            j = next((i for i in range(self.bpos, len(self.backward)) if self.backward[i] is t), None)
+            j = self._backward_next(t)
             if j is not None:
                 self._gather_backward(j + 1)
+
+    def _backward_next(self, state: FSDPState) -> int | None:
+        """The index of ``state``'s backward entry at or after the cursor (None: none left)."""
+        return next((i for i in range(self.bpos, len(self.backward)) if self.backward[i] is state), None)
 
     def _unmet(self, n: int) -> list[FSDPState]:
         """The next ``n`` backward entries not met yet (the default prefetch)."""
@@ -196,13 +201,12 @@ class Schedule:
     def _record(self, kind: int, state: FSDPState) -> None:
         """Fold the collective about to be issued into the fingerprint of its kind (gathers and
         reduce-scatters apart: when one is issued relative to the other depends on each rank's timing,
-        not on the schedule); in debug mode, first check every rank of its group is at the same one."""
+        not on the schedule); in debug mode, first check every rank of an all-gather's group is at the
+        same one (reduce-scatters are checked by the end of backward's fingerprint)."""
         code = (self.fingerprints[kind] * 1_000_003 + self.states.index(state) + 1) % _MOD
-        if CHECK_EVENTS:
-            unit = state.unit
-            group, what = ((unit.gather_group, "all-gather") if kind == _GATHER
-                           else (unit.reduce_group, "reduce-scatter"))
-            _check(group, code, f"{what} of {unit.name!r}", unit.device)
+        if CHECK_EVENTS and kind == _GATHER:  # a reduce-scatter's check would wait mid-backward on a
+            unit = state.unit                  # peer that issues it only at its end (see _hooks._reduce)
+            _check(unit.gather_group, code, f"all-gather of {unit.name!r}", unit.device)
         self.fingerprints[kind] = code
 
     def codes(self) -> tuple[int, int]:
@@ -241,4 +245,4 @@ MISMATCH = (
     "reduces in one schedule whatever the routing (a unit skipped on some ranks still takes part, with "
     "zeros), but the number of calls must be the same on every rank: call a unit the same number of "
     "times everywhere (a loop bound every rank shares), or shard a data-dependent loop's body together "
-    "with its parent. RAGGED_FSDP_CHECK_EVENTS=1 stops at the first mismatched collective.")
+    "with its parent. RAGGED_FSDP_CHECK_EVENTS=1 stops at the first mismatched all-gather.")
