@@ -5,8 +5,9 @@ from the neutral checkpoint.
 
 References: the restored state equals the saved one bit for bit (the units' layouts differ between the
 meshes, so this checks the re-planning); training resumed on the other mesh is compared with
-single-device training in float64 (``conftest.reference``), and the model state case with flax on one
-device."""
+single-device training in float64 (``conftest.reference``) and with the same run under GSPMD (its jitted
+step's carry saved and restored by Orbax onto the other mesh: the baseline a user would pick), and the
+model state case with flax on one device."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+from experiments._gspmd import gspmd_step
 from jax_backend import (
+    flatten_params,
     load_neutral_checkpoint,
     load_neutral_params,
     make_mesh,
@@ -63,6 +66,26 @@ def llama_steps(fsdp, opt, buffers, state, batches):
     return buffers, state, losses
 
 
+def gspmd_resumed(tmp_path, model, batches, source, target, use_async) -> tuple[list[float], dict]:
+    """The same case under GSPMD: half the steps on ``source``, its step's carry (params, AdamW's state,
+    model state) through Orbax, restored with ``target``'s shardings, the rest there."""
+    opt, half, losses = adamw(), len(batches) // 2, []
+    for mesh_key, data, step_no in ((source, batches[:half], None), (target, batches[half:], half)):
+        shape, names = MESHES[mesh_key]
+        step, carry = gspmd_step(model, cross_entropy, opt, make_mesh(shape, names), data_axes=names)
+        if step_no is not None:  # restore onto this mesh's shardings, the fresh carry as the target
+            with manager(tmp_path, use_async) as mngr:
+                carry = tuple(mngr.restore(step_no, args=ocp.args.StandardRestore(list(carry))))
+        for b in data:
+            *carry, loss = step(*carry, b[:, :-1], b[:, 1:])
+            losses.append(float(loss))
+        if step_no is None:
+            with manager(tmp_path, use_async) as mngr:
+                mngr.save(half, args=ocp.args.StandardSave(list(carry)))
+                mngr.wait_until_finished()
+    return losses, {k: np.asarray(v) for k, v in flatten_params(carry[0]).items()}
+
+
 @pytest.mark.parametrize("source, target, use_async", [(4, 8, True), (8, "2x4", False)])
 def test_llama_resumes_from_orbax_on_another_mesh(tmp_path, x64, model64, batches, reference, source,
                                                   target, use_async):
@@ -88,6 +111,9 @@ def test_llama_resumes_from_orbax_on_another_mesh(tmp_path, x64, model64, batche
     buffers, state, more = llama_steps(other, opt, buffers, state, batches[half:])
     params = {k: np.asarray(v) for k, v in other.full_params(buffers).items()}
     assert_float64_parity(losses + more, params, reference)
+    baseline = gspmd_resumed(tmp_path / "gspmd", model, batches, source, target, use_async)
+    assert_float64_parity(*baseline, reference)  # the baseline resumes right too
+    assert_float64_parity(losses + more, params, baseline)  # and ours equals it
 
 
 def test_model_state_resumes_from_orbax_on_another_mesh(tmp_path):
