@@ -5,7 +5,10 @@ and 8 devices in this one process. Torch multi-process tests must not fork after
 so they start workers with ``spawn``/``forkserver`` or use the threaded process group.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # LLVM optimization level 0: XLA:CPU compiles a quarter faster, and compiling is most of a JAX test's time
 # on these small models. The suite passes at both levels (bit-exactness checks included); the benchmarks
@@ -14,3 +17,13 @@ for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimiz
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One JAX compilation cache for the run, in a directory made for it (every run starts cold, as on a fresh
+# clone) and passed on to the JAX processes the tests start: a program that a test, a later test or another
+# process already compiled (the same HLO, options and devices: a re-created closure, a relaunched training
+# job) is loaded instead of compiled again. Programs that compile in under 0.1 s are not worth a file.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="ragged-fsdp-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

@@ -21,9 +21,12 @@ LOSS_RTOL = (BATCH * SEQ - 1) * 2.0**-24  # 1.5e-5
 
 
 def env(devices: int = 1) -> dict:
-    """One thread per process; JAX processes own ``devices`` host CPU devices (not the test run's 8)."""
+    """One thread per process; JAX processes own ``devices`` host CPU devices (not the test run's 8), with
+    the run's other XLA flags (its optimization level, an ISA limit of experiments.variance_check) and its
+    compilation cache (tests/conftest.py: a relaunched job loads what its first launch compiled)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     out = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+           "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])}
     out.pop("WORLD_SIZE", None)
     return out
 
@@ -39,16 +42,13 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
                 "-m", "experiments.train", "--stack", "torch", *args])
 
 
-def start_jax(nproc: int, args: list[str], cache: Path) -> list[subprocess.Popen]:
-    """``nproc`` JAX processes joined by explicit coordinator flags, sharing a compilation cache."""
+def start_jax(nproc: int, args: list[str]) -> list[subprocess.Popen]:
+    """``nproc`` JAX processes joined by explicit coordinator flags (sharing the run's compilation cache)."""
     coordinator = f"localhost:{coordinator_port()}"
-    jax_env = {**env(), "JAX_COMPILATION_CACHE_DIR": str(cache),
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     return [subprocess.Popen([sys.executable, "-m", "experiments.train", "--stack", "jax", *args,
                               "--coordinator", coordinator, "--num-processes", str(nproc),
                               "--process-id", str(i)],
-                             cwd=ROOT, env=jax_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
             for i in range(nproc)]
 

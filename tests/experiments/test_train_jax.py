@@ -18,13 +18,13 @@ def test_two_jax_processes_match_one_and_resume_bit_exactly(tmp_path):
     relaunched give steps 2 and 3 bit-identical to their first launch, and every step equal the reference."""
     args = [*TINY, "--steps", str(STEPS), "--save-interval", "2"]
     two = [*args, "--checkpoint-dir", str(tmp_path / "two")]
-    one = start_jax(1, [*args, "--checkpoint-dir", str(tmp_path / "one")], tmp_path / "cache1")
-    first = finish(start_jax(2, [*two, "--fail-after-step", "3"], tmp_path / "cache2"))
+    one = start_jax(1, [*args, "--checkpoint-dir", str(tmp_path / "one")])
+    first = finish(start_jax(2, [*two, "--fail-after-step", "3"]))
     assert all(p.returncode != 0 for p in first)
     assert (tmp_path / "two" / "log.jsonl").exists(), first[0].stdout[-3000:] + first[1].stdout[-3000:]
     before = losses(tmp_path / "two" / "log.jsonl")
     assert sorted(before) == [0, 1, 2, 3]
-    second = finish(start_jax(2, two, tmp_path / "cache2"))
+    second = finish(start_jax(2, two))
     assert all(p.returncode == 0 for p in second), second[0].stdout[-3000:]
     after = losses(tmp_path / "two" / "log.jsonl")
     assert [after[s] for s in (2, 3)] == [before[s] for s in (2, 3)]  # resumed bit for bit
