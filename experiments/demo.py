@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from experiments._distributed import leave_and_exit, rendezvous
+from experiments._xla import host_devices_flags
 
 if TYPE_CHECKING:  # torch is imported where it runs: the JAX worker never loads it
     import torch
@@ -159,8 +160,7 @@ def jax_main(world_size: int, steps: int, init: Path, workdir: Path) -> None:
 
 
 def jax_fsdp(world_size: int, steps: int, init: Path, workdir: Path) -> list[float]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={world_size}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_devices_flags(world_size))
     subprocess.run([sys.executable, "-m", "experiments.demo", "--jax-worker", "--world-size", str(world_size),
                     "--steps", str(steps), "--init", str(init), "--workdir", str(workdir)],
                    env=env, check=True, cwd=Path(__file__).resolve().parents[1])  # `-m` works from any cwd

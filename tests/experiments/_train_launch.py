@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from experiments._xla import host_devices_flags
 from tests.ports import coordinator_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,9 +25,8 @@ def env(devices: int = 1) -> dict:
     """One thread per process; JAX processes own ``devices`` host CPU devices (not the test run's 8), with
     the run's other XLA flags (its optimization level, an ISA limit of experiments.variance_check) and its
     compilation cache (tests/conftest.py: a relaunched job loads what its first launch compiled)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     out = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])}
+           "XLA_FLAGS": host_devices_flags(devices)}
     out.pop("WORLD_SIZE", None)
     return out
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from experiments._xla import flags_but_device_count
 from experiments.demo import LOSS_RTOL
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "experiments" / "notebooks" / "tour.ipynb"
@@ -24,7 +25,9 @@ def test_tour_notebook_runs_and_its_losses_agree(monkeypatch):
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = []
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the notebook sets its own, as in a user kernel
+    # The notebook adds its own device count, as in a user kernel; the run's other flags stay (its
+    # optimization level, an ISA limit)
+    monkeypatch.setenv("XLA_FLAGS", flags_but_device_count())
     client = NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=False,
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     client.execute()
