@@ -248,13 +248,13 @@ MUON_SHAPES = {f"m{i}": s for i, s in enumerate([(512, 1536), (1536, 512), (1024
                                                  (2048, 768), (512, 512), (1024, 256), (256, 1024)])}
 
 
-def _muon_inputs(steps: int = 3):
+def _muon_inputs(shapes: dict, steps: int = 3):
     """Seeded matrices and gradients (CPU), the same in every process."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    params = {n: torch.randn(s, generator=g) for n, s in MUON_SHAPES.items()}
-    grads = [{n: torch.randn(s, generator=g) for n, s in MUON_SHAPES.items()} for _ in range(steps)]
+    params = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(steps)]
     return params, grads
 
 
@@ -273,7 +273,7 @@ def _muon_train(params: dict, grads: list, place: Callable, overlap: bool) -> di
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().cpu() for n, p in live.items()}
 
 
-def _muon_rank(rank: int, workdir: str, device: str) -> dict:
+def _muon_rank(rank: int, workdir: str, device: str, shapes: dict) -> dict:
     """One of two processes on the one GPU (``device`` cuda), over gloo: overlapped and sequential Muon
     on RaggedShard parameters; returns both results' local values and this rank's flat ranges."""
     from datetime import timedelta
@@ -292,36 +292,37 @@ def _muon_rank(rank: int, workdir: str, device: str) -> dict:
     dist.init_process_group("gloo", init_method=rendezvous(workdir), rank=rank, world_size=2,
                             timeout=timedelta(seconds=40))
     mesh = init_device_mesh(device, (2,))
-    layout = ragged.plan([ragged.TensorSpec(n, s, "rows:1") for n, s in MUON_SHAPES.items()], 2)
-    ranges = {n: layout.placement(n).ranges(s)[rank] for n, s in MUON_SHAPES.items()}
+    layout = ragged.plan([ragged.TensorSpec(n, s, "rows:1") for n, s in shapes.items()], 2)
+    ranges = {n: layout.placement(n).ranges(s)[rank] for n, s in shapes.items()}
 
     def place(name: str, full: torch.Tensor):
         lo, hi = ranges[name]
         local = full.reshape(-1)[lo:hi].clone().to(device)
         return make_dtensor(local, mesh, [RaggedShard.from_core(layout.placement(name))], full.shape)
 
-    params, grads = _muon_inputs()
+    params, grads = _muon_inputs(shapes)
     # numpy arrays: pickled by value (a tensor would be sent as a handle to this process's memory)
     return {"overlapped": {n: t.numpy() for n, t in _muon_train(params, grads, place, True).items()},
             "sequential": {n: t.numpy() for n, t in _muon_train(params, grads, place, False).items()},
             "ranges": ranges}
 
 
-def stage_muon(report: Report, device: str = "cuda") -> None:
+def stage_muon(report: Report, device: str = "cuda", shapes: dict = MUON_SHAPES) -> None:
+    """``shapes``: the matrices (the GPU's; the CPU test runs the same code on smaller ones)."""
     import torch
 
     from experiments._distributed import spawn_ranks
 
-    ranks = spawn_ranks(2, _muon_rank, device)
-    params, grads = _muon_inputs()
+    ranks = spawn_ranks(2, _muon_rank, device, shapes)
+    params, grads = _muon_inputs(shapes)
     single = _muon_train(params, grads, lambda n, t: t.clone().to(device), overlap=True)  # local NS
     for rank, arrays in enumerate(ranks):
         got = {k: {n: torch.from_numpy(a) for n, a in arrays[k].items()}
                for k in ("overlapped", "sequential")} | {"ranges": arrays["ranges"]}
-        same = all(torch.equal(got["overlapped"][n], got["sequential"][n]) for n in MUON_SHAPES)
+        same = all(torch.equal(got["overlapped"][n], got["sequential"][n]) for n in shapes)
         report(f"rank {rank}: overlapped = sequential, bit for bit", same, same)
         worst, close = 0.0, True
-        for n in MUON_SHAPES:
+        for n in shapes:
             lo, hi = got["ranges"][n]
             want = single[n].reshape(-1)[lo:hi]
             worst = max([worst, *(got["overlapped"][n] - want).abs().tolist()])
