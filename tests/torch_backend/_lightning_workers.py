@@ -32,9 +32,11 @@ SAVE_AT = 2  # the checkpoint cases save after this many steps and resume for th
 
 
 def build(seed: int = 0) -> Llama:
+    """The llama in float64 (tests/parity.py: the sharded runs and the reference then differ by float64
+    roundings only; Lightning's default ``32-true`` precision leaves a module's dtype as it is)."""
     model = Llama(CONFIG)
     model.init_weights(seed)
-    return model
+    return model.double()
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +139,7 @@ def fabric_run(which: str, layout: str, world: int, steps: range, *, seed: int =
         # two micro-batches, the first under no_backward_sync (each FSDPModule's
         # set_requires_gradient_sync(False, recurse=False)): the gradient of the rows' mean loss
         half = len(x) // 2
-        loss = torch.zeros(())
+        loss = torch.zeros((), dtype=torch.float64)
         for part in (slice(0, half), slice(half, None)):
             with fabric.no_backward_sync(model, enabled=part.start == 0):
                 micro = cross_entropy(model(x[part]), y[part]) / 2
