@@ -30,8 +30,9 @@ MODELS = {"llama": ("llama_untied", "LlamaDecoderLayer"), "qwen3_moe": ("qwen3_m
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
+    """The model in float64 (tests/parity.py; the Trainer keeps a model's dtype without bf16/fp16 flags)."""
     torch.manual_seed(seed)
-    return U.MODELS[MODELS[name][0]]()
+    return U.MODELS[MODELS[name][0]]().double()
 
 
 class Batches(torch.utils.data.Dataset):
