@@ -54,3 +54,12 @@ def assert_within_spread(distances: dict[str, float], orders: list[dict[str, flo
     assert all(d[f"{k}_spread"] > 0 for k in distances), d  # the orders did round differently
     assert all(d[k] <= margin * d[f"{k}_spread"] for k in distances), d
     return d
+
+
+def floored_by(orders: list[dict[str, float]], key: str = "params") -> list[dict[str, float]]:
+    """``orders`` with each measure's distance at least its ``key`` distance, for measures that a case's
+    rounding reaches only through ``key``. 8-bit Adam: a code that flips in one order moves its element's
+    step by a fraction of lr, so its parameters spread by 1e-5 to 1e-3, while its losses and gradient norms
+    differ by a few fp32 roundings (often none: the orders' losses equal the reference's bit for bit),
+    which a sharded run's other sums can exceed; they are bounded by what the orders move at all."""
+    return [{k: max(v, o[key]) for k, v in o.items()} for o in orders]
