@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged.models import MOE_CONFIGS
-from tests.torch_backend._dist import run_cases
+from tests.parity import SPREAD_ORDERS
+from tests.torch_backend._dist import run_cases, shared
 from tests.torch_backend._user_model_workers import rel_errors
 
 MODELS = ("mixtral-tiny", "gpt-oss-tiny", "deepseek-v3-tiny")
@@ -90,12 +92,14 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype,
-              optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = adamw
-              ) -> tuple[list[float], dict]:
+              optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = adamw,
+              order: int | None = None) -> tuple[list[float], dict]:
     """Single-process training: each step, every rank's rows forward and backward apart on a ``dtype``
     copy of the master (``dtype`` itself, fp32 for bf16); gradients summed in the master's dtype and
     averaged; ``optimizer`` (AdamW) on the master. ``world``: the ranks, or the ranks of each step (a run
-    resumed at another world size)."""
+    resumed at another world size). ``order`` (a seed): the same training summed in another order, the
+    ranks' batches taken in a permuted order and each one's rows permuted (every loss term is a mean over
+    one rank's batch: the same losses and gradients, rounded otherwise)."""
     from torch_backend.models import moe_loss
 
     c = config(name)
@@ -105,7 +109,12 @@ def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype,
     worlds = (world,) * STEPS if isinstance(world, int) else world
     for step, world in enumerate(worlds):
         step_loss = 0.0
-        for rows in batch(step, c.vocab_size, world).chunk(world):
+        chunks = batch(step, c.vocab_size, world).chunk(world)
+        if order is not None:
+            rng = np.random.default_rng([order, step])
+            chunks = [chunks[i][torch.from_numpy(rng.permutation(len(chunks[i])))]
+                      for i in rng.permutation(world)]
+        for rows in chunks:
             compute = copy.deepcopy(master).to(dtype)
             loss = moe_loss(compute(rows[:, :-1]), rows[:, 1:], c.aux_loss_coef)
             loss.backward()
@@ -211,13 +220,18 @@ def global_expert_names(params: dict, name: str, ep_mesh) -> dict:
 
 
 def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: bool = False, *,
-            optimizer=adamw, granularity=None, full: torch.dtype = torch.float32) -> dict:
+            optimizer=adamw, granularity=None, full: torch.dtype = torch.float32,
+            spread_of: str | None = None) -> dict:
     """Expert parallelism on an (ep, fsdp) mesh, every other parameter over all ranks; with ``replicas``
     (HSDP) on a (replicas, ep, fsdp) mesh, the rest on (replicas, ep * fsdp). fp32, or bf16 under the
     mixed-precision policy: then also compared with the policy reference, and that reference with fp32
     training (``policy_vs_full``: the policy's own distance, which FSDP2 and plain FSDP reproduce).
     Trained and referenced with ``optimizer`` (AdamW), sharded with ``granularity``; ``full``: the dtype of
-    the master and of the full-precision reference (``full``), fp32 under the bf16 policy."""
+    the master and of the full-precision reference (``full``), fp32 under the bf16 policy. ``spread_of``
+    (``"full"`` or ``"policy"``): also that reference trained in SPREAD_ORDERS other orders (``reference``'s
+    ``order``), and each one's distances from it (``orders``) over the tensors (or rows) this rank holds, as
+    the run's: for ``tests.parity.assert_within_spread`` over every rank's.
+    The references are computed once, spread over the ranks (``_dist.shared``)."""
     fsdp = world // (replicas * ep)
     if replicas == 1:
         ep_mesh = init_device_mesh("cpu", (ep, fsdp), mesh_dim_names=("ep", "fsdp"))
@@ -229,11 +243,26 @@ def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: 
                                                  granularity, full)
     out = {"rank": rank, "routes": routes, "received": received, "top_k": config(name).top_k,
            "n_experts": config(name).n_experts}
-    refs = {label: reference(name, world, dtype, optimizer)
-            for label, dtype in [("full", full)] + ([("policy", torch.bfloat16)] if bf16 else [])}
-    for label, (want_losses, want) in refs.items():
+    dtypes = {"full": full, **({"policy": torch.bfloat16} if bf16 else {})}
+    train = functools.partial(reference, name, world, optimizer=optimizer)
+    jobs = {label: functools.partial(train, dtype) for label, dtype in dtypes.items()}
+    if spread_of is not None:
+        jobs |= {f"order {k}": functools.partial(train, dtypes[spread_of], order=k)
+                 for k in range(SPREAD_ORDERS)}
+    refs = shared(jobs)
+    for label in dtypes:
+        want_losses, want = refs[label]
         got, ref = held_and_reference(params, name, ep_mesh, want)
         out[label] = {"loss": loss_error(losses, want_losses), "params": rel_errors(got, ref)}
+    if spread_of is not None:
+        want_losses, want = refs[spread_of]
+        _, ref = held_and_reference(params, name, ep_mesh, want)
+        out["orders"] = []
+        for k in range(SPREAD_ORDERS):
+            order_losses, order = refs[f"order {k}"]
+            _, held = held_and_reference(params, name, ep_mesh, order)
+            out["orders"].append({"loss": loss_error(order_losses, want_losses),
+                                  "params": rel_errors(held, ref)})
     if bf16:
         (full_losses, full_weights), (policy_losses, policy_weights) = refs["full"], refs["policy"]
         out["policy_vs_full"] = {"loss": loss_error(policy_losses, full_losses),
