@@ -8,11 +8,13 @@ import ragged
 import ragged.muon
 
 
-def newton_schulz_closed_form(x: np.ndarray, steps: int = ragged.muon.NS_STEPS) -> np.ndarray:
-    """``U p^steps(S / ||X||_F) V^T`` in float64: what the quintic iteration does to each singular value."""
+def newton_schulz_closed_form(x: np.ndarray, steps: int = ragged.muon.NS_STEPS,
+                              eps: float = 0.0) -> np.ndarray:
+    """``U p^steps(S / (||X||_F + eps)) V^T`` in float64: what the quintic iteration does to each singular
+    value."""
     a, b, c = ragged.muon.NS_COEFFS
     u, s, vt = np.linalg.svd(x, full_matrices=False)
-    s = s / np.linalg.norm(x)
+    s = s / (np.linalg.norm(x) + eps)
     for _ in range(steps):
         s = a * s + b * s**3 + c * s**5
     return (u * s) @ vt

@@ -10,7 +10,9 @@ from flax import nnx
 
 from jax_backend import FSDP
 from jax_backend.models import Llama, cross_entropy, model_params
+from tests import parity
 from tests.jax_backend.any_models import train_references as train_pytree_runs
+from tests.parity import SPREAD_MARGIN, SPREAD_ORDERS  # noqa: F401 (the JAX tests import them from here)
 
 STEPS = 10
 BATCH = 24  # divisible by 1, 2, 3, 4 and 8 devices
@@ -142,13 +144,11 @@ def permuted_rows(batches: np.ndarray, seed: int) -> np.ndarray:
 
 
 # Cases that must run in fp32 or bf16 (mixed precision, optimizers that compute in fp32) are bounded by
-# the spread of the same case's summation orders instead: the reference trained in micro-batches (the
-# sharded run's device count: a bf16 gradient rounded per block, as per device) on SPREAD_ORDERS row
-# permutations of the data, and the run within SPREAD_MARGIN times the farthest of them from the
-# reference: several orders, never one baseline. Measured: at most 1.7 times the spread (the bf16 step's
-# losses with XLA's ISA limited to SSE4.2; 1.3 at the default ISA).
-SPREAD_ORDERS = 3
-SPREAD_MARGIN = 4
+# the spread of the same case's summation orders instead (tests.parity.assert_within_spread): the
+# reference trained in micro-batches (the sharded run's device count: a bf16 gradient rounded per block, as
+# per device) on SPREAD_ORDERS row permutations of the data, and the run within SPREAD_MARGIN times the
+# farthest of them from the reference. Measured: at most 1.7 times the spread (the bf16 step's losses with
+# XLA's ISA limited to SSE4.2; 1.3 at the default ISA).
 
 
 def assert_within_spread(losses, params: dict, reference: tuple, orders: list[tuple]) -> dict:
@@ -156,10 +156,6 @@ def assert_within_spread(losses, params: dict, reference: tuple, orders: list[tu
     distance of ``orders`` (the reference's training in other summation orders, ``(losses, params)``
     each) from it; returns the distances."""
     ref_losses, ref_params = reference
-    d = {"loss": rel_err(losses, ref_losses), "params": params_distance(params, ref_params),
-         "loss_spread": max(rel_err(o[0], ref_losses) for o in orders),
-         "params_spread": max(params_distance(o[1], ref_params) for o in orders)}
-    assert d["loss_spread"] > 0 and d["params_spread"] > 0, d  # the orders did round differently
-    assert d["loss"] <= SPREAD_MARGIN * d["loss_spread"], d
-    assert d["params"] <= SPREAD_MARGIN * d["params_spread"], d
-    return d
+    return parity.assert_within_spread(
+        {"loss": rel_err(losses, ref_losses), "params": params_distance(params, ref_params)},
+        [{"loss": rel_err(o[0], ref_losses), "params": params_distance(o[1], ref_params)} for o in orders])

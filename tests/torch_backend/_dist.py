@@ -158,6 +158,34 @@ def shared_dir() -> str:
     return path[0]
 
 
+def shared(jobs: dict[str, Callable[[], object]]) -> dict[str, object]:
+    """In a worker: each of ``jobs`` run on one rank only (round robin in their order, which every rank
+    must give alike), and every rank given all their results: references that every rank compares with,
+    computed once and side by side instead of once per rank. A job that raises raises on every rank."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine: dict[str, object] = {}
+    for i, (name, job) in enumerate(jobs.items()):
+        if i % world == rank:
+            try:
+                mine[name] = job()
+            except BaseException:  # the others wait in the gather: they must see it too
+                mine[name] = _Failed(f"rank {rank}, job {name!r}:\n{traceback.format_exc()}")
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    out = {name: value for part in parts for name, value in part.items()}
+    failed = [v.text for v in out.values() if isinstance(v, _Failed)]
+    if failed:
+        raise RuntimeError("\n".join(failed))
+    return {name: out[name] for name in jobs}
+
+
+class _Failed:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
 def _errors(results: list[Results], name: str) -> list[str]:
     """Each rank's failure of case ``name``: its traceback, a dead worker, or a case that did not run."""
     errors = []

@@ -9,6 +9,7 @@ FSDP2's show the case is sound), or the error each one raised.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -119,8 +120,10 @@ def reference(floats: bool = False, **kwargs) -> dict:
 
 
 def both(mesh, rank: int, world: int, *, floats: bool = False, setup: Callable[[nn.Module], object] = None,
-         train_kwargs: dict | None = None, ref_kwargs: dict | None = None, **shard_kwargs) -> dict:
-    """Ours and FSDP2 under the same keywords and ``setup(model)``, against single-process training."""
+         train_kwargs: dict | None = None, ref_kwargs: dict | None = None, runs: dict | None = None,
+         **shard_kwargs) -> dict:
+    """Ours and FSDP2 under the same keywords and ``setup(model)``, against single-process training;
+    ``runs`` (a dict) receives each one's ``(losses, full parameters)``."""
     ref = reference(floats, **(ref_kwargs or {}))
     out = {}
     for which in ("ours", "fsdp2"):
@@ -130,6 +133,8 @@ def both(mesh, rank: int, world: int, *, floats: bool = False, setup: Callable[[
                 setup(model)
             losses = train(model, rows_of(rank, world), floats=floats, **(train_kwargs or {}))
             out[which] = errors(losses, full_params(model), ref)
+            if runs is not None:
+                runs[which] = (losses, full_params(model))
         except Exception as e:  # noqa: BLE001 - FSDP2's failures are part of the comparison
             out[which] = {"error": f"{type(e).__name__}: {e}"}
     return out
@@ -409,6 +414,42 @@ def _refused_keywords(mesh) -> dict:
 
 
 # ----- 3. mixed precision -----------------------------------------------------------------------------
+def policy_reference(world: int, order: int | None = None) -> dict:
+    """The float-input model trained in one process under a bf16 policy's casts: float64 masters, each
+    step's rows in ``world`` micro-batches (the ranks), each on a bf16 cast of the master and of its
+    inputs (``_policy_reference.train``); ``order``: the rows permuted, the same training in another order."""
+    from tests.torch_backend import _policy_reference
+
+    model = build(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    out = _policy_reference.train(model, lambda step: batch(step, True),
+                                  lambda call, rows: loss_of(call, *rows), STEPS, world, opt, torch.bfloat16,
+                                  order)
+    return {"losses": out["losses"], "params": out["params"]}
+
+
+@functools.cache
+def policy_references(world: int) -> dict:
+    """The policy reference and its SPREAD_ORDERS other orders, trained once over the ranks (every rank
+    calls this first thing in the same case)."""
+    from tests.parity import SPREAD_ORDERS
+    from tests.torch_backend._dist import shared
+
+    refs = shared({order: functools.partial(policy_reference, world, order)
+                   for order in (None, *range(SPREAD_ORDERS))})
+    return {"policy": refs[None], "orders": [refs[k] for k in range(SPREAD_ORDERS)]}
+
+
+def against_policy(out: dict, world: int, runs: dict[str, tuple[list[float], dict]]) -> dict:
+    """``out`` with each bf16 run's distances from the policy reference (``{which}_vs_policy``) and the
+    reference's other orders' (``policy_orders``)."""
+    refs = policy_references(world)
+    for which, (losses, params) in runs.items():
+        out[f"{which}_vs_policy"] = errors(losses, {n: p.double() for n, p in params.items()}, refs["policy"])
+    out["policy_orders"] = [errors(o["losses"], o["params"], refs["policy"]) for o in refs["orders"]]
+    return out
+
+
 def _torch_mp_policy(mesh, rank: int, world: int) -> dict:
     """torch's own policy object (bf16 params, fp32 reduce) on a model called with fp32 inputs: FSDP2
     casts each unit's inputs; ours must too. ``output_dtype=float32`` on the root only (on every unit it
@@ -424,8 +465,10 @@ def _torch_mp_policy(mesh, rank: int, world: int) -> dict:
             _fully_shard(which)(m, mesh=mesh, mp_policy=inner)
         return _fully_shard(which)(model, mesh=mesh, mp_policy=root)
 
+    policy_references(world)  # first: every rank trains its share of them here
     ref = reference(True)
     out: dict = {"dtypes": {}}
+    runs = {}
     for which in ("ours", "fsdp2"):
         model = mp_shard(which)
         seen = {}
@@ -436,6 +479,8 @@ def _torch_mp_policy(mesh, rank: int, world: int) -> dict:
         model = mp_shard(which)
         losses = train(model, rows_of(rank, world), floats=True)
         out[which] = errors(losses, full_params(model), ref)
+        runs[which] = (losses, full_params(model))
+    against_policy(out, world, runs)
     no_cast = MixedPrecisionPolicy(torch.bfloat16, cast_forward_inputs=False)
     for which in ("ours", "fsdp2"):
         out[f"no_cast_{which}"] = raised(
@@ -454,12 +499,14 @@ def _cpu_offload(mesh, rank: int, world: int) -> dict:
 
     from torch_backend.fsdp import units
 
-    out = {}
+    policy_references(world)  # first: every rank trains its share of them here
+    out, bf16_runs = {}, {}
     for which in ("ours", "fsdp2"):
         policy = CPUOffloadPolicy() if which == "ours" else CPUOffloadPolicy(pin_memory=False)
         out[which] = both(mesh, rank, world, offload_policy=policy)[which]
-        out[f"{which}_bf16"] = both(mesh, rank, world, floats=True, offload_policy=policy,
+        out[f"{which}_bf16"] = both(mesh, rank, world, floats=True, offload_policy=policy, runs=bf16_runs,
                                     mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))[which]
+    out |= {f"bf16_{k}": v for k, v in against_policy({}, world, bf16_runs).items()}
     model = shard(build(), mesh, "ours", offload_policy=CPUOffloadPolicy())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     x, y = batch(0)

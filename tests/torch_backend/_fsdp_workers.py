@@ -177,15 +177,35 @@ def _counter(mesh) -> dict:
     return out
 
 
+def policy_reference(micro: int, order: int | None = None) -> dict:
+    """Single-process training under the bf16 policy's casts: fp32 masters, each step's rows in ``micro``
+    micro-batches (the run's ranks), each one's forward and backward on a bf16 cast of the master, the
+    gradients summed in fp32, clipped, AdamW (``_policy_reference.train``); ``order``: the rows permuted."""
+    from tests.torch_backend import _policy_reference
+    from torch_backend.models import Llama, cross_entropy
+
+    model = Llama()
+    model.init_weights(SEED)
+    clip = lambda m: float(torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))  # noqa: E731
+    out = _policy_reference.train(model, batch, lambda call, rows: cross_entropy(call(rows[0]), rows[1]),
+                                  STEPS, micro, optimizer(model), torch.bfloat16, order, clip)
+    return {"losses": out["losses"], "params": {n: p.numpy() for n, p in out["params"].items()}}
+
+
 def _bf16(mesh) -> dict:
+    from tests.parity import SPREAD_ORDERS
+    from tests.torch_backend._dist import shared
     from torch_backend import MixedPrecisionPolicy
 
+    refs = shared({order: lambda order=order: policy_reference(mesh.size(), order)
+                   for order in (None, *range(SPREAD_ORDERS))})  # one each on 4 ranks
     model = _sharded_model(mesh, dtype=torch.float32,
                            mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     opt = optimizer(model)
     losses = _train(model, opt, range(STEPS), mesh.get_rank(), mesh.size())
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
-    return {"losses": losses, "params": _full_params(model), "master_dtypes": dtypes}
+    return {"losses": losses, "params": _full_params(model), "master_dtypes": dtypes,
+            "policy": refs[None], "orders": [refs[k] for k in range(SPREAD_ORDERS)]}
 
 
 def _hsdp(rank: int, fsdp2: bool = False) -> dict:

@@ -7,6 +7,9 @@ optimizer changes: ``Adam8bit`` with every tensor planned by ``ragged.quant.tile
 experts' ``fsdp`` unit too), ``Muon`` with whole matrices to NS devices or (``max_imbalance=1.0``) split
 over groups, the experts' matrices too on one MoE layer of 6 experts (``split_expert_checks``). Each Muon
 case also returns where Muon orthogonalizes each matrix and which expert matrices a shard boundary cuts.
+Muon trains in float64 (``_moe_workers.FULL``: it computes in at least its parameters' dtype); 8-bit Adam in
+fp32 (its moments are 8-bit codes of fp32 values), with its reference also trained in other summation
+orders (``ep_case``'s ``spread_of``).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def expert_matrices_across_shards(model_params) -> list[tuple[str, int]]:
 
 def muon_case(name: str, rank: int, world: int, ep: int, max_imbalance: float | None) -> dict:
     made: list = []
-    out = W.ep_case(name, rank, world, ep, optimizer=muon(max_imbalance, made))
+    out = W.ep_case(name, rank, world, ep, optimizer=muon(max_imbalance, made), full=W.FULL)
     sharded = made[0]  # the EP run's optimizer (the reference's comes after it)
     params = [(n, p) for group in sharded.param_groups for n, p in zip(group["param_names"], group["params"])]
     out["ns_devices"] = ns_devices(sharded, params)
@@ -76,8 +79,8 @@ def muon_case(name: str, rank: int, world: int, ep: int, max_imbalance: float | 
 
 
 def adam8bit_case(name: str, rank: int, world: int, ep: int) -> dict:
-    return {**W.ep_case(name, rank, world, ep, optimizer=adam8bit,
-                          granularity=tiles), "skewed": name.endswith(W.SKEWED)}
+    return {**W.ep_case(name, rank, world, ep, optimizer=adam8bit, granularity=tiles, spread_of="full"),
+            "skewed": name.endswith(W.SKEWED)}
 
 
 def checks(rank: int, world: int) -> dict:

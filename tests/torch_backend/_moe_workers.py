@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged.models import MOE_CONFIGS
-from tests.torch_backend._dist import run_cases
+from tests.parity import SPREAD_ORDERS
+from tests.torch_backend._dist import run_cases, shared
 from tests.torch_backend._user_model_workers import rel_errors
 
 MODELS = ("mixtral-tiny", "gpt-oss-tiny", "deepseek-v3-tiny")
@@ -90,12 +92,15 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype,
-              optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = adamw
-              ) -> tuple[list[float], dict]:
+              optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] = adamw,
+              order: int | None = None, sum_dtype: torch.dtype | None = None) -> tuple[list[float], dict]:
     """Single-process training: each step, every rank's rows forward and backward apart on a ``dtype``
     copy of the master (``dtype`` itself, fp32 for bf16); gradients summed in the master's dtype and
     averaged; ``optimizer`` (AdamW) on the master. ``world``: the ranks, or the ranks of each step (a run
-    resumed at another world size)."""
+    resumed at another world size). ``order`` (a seed): the same training summed in another order, the
+    ranks' batches taken in a permuted order and each one's rows permuted (every loss term is a mean over
+    one rank's batch: the same losses and gradients, rounded otherwise). ``sum_dtype``: the ranks'
+    gradients summed in it (bf16: each partial sum rounded to bf16) instead of the master's dtype."""
     from torch_backend.models import moe_loss
 
     c = config(name)
@@ -104,16 +109,24 @@ def reference(name: str, world: int | tuple[int, ...], dtype: torch.dtype,
     losses = []
     worlds = (world,) * STEPS if isinstance(world, int) else world
     for step, world in enumerate(worlds):
-        step_loss = 0.0
-        for rows in batch(step, c.vocab_size, world).chunk(world):
+        step_loss, sums = 0.0, {}
+        chunks = batch(step, c.vocab_size, world).chunk(world)
+        if order is not None:
+            rng = np.random.default_rng([order, step])
+            chunks = [chunks[i][torch.from_numpy(rng.permutation(len(chunks[i])))]
+                      for i in rng.permutation(world)]
+        for rows in chunks:
             compute = copy.deepcopy(master).to(dtype)
             loss = moe_loss(compute(rows[:, :-1]), rows[:, 1:], c.aux_loss_coef)
             loss.backward()
-            for p, q in zip(master.parameters(), compute.parameters()):
+            for k, (p, q) in enumerate(zip(master.parameters(), compute.parameters())):
                 if q.grad is not None:  # an expert no row chose keeps .grad None, as in plain training
-                    g = q.grad.to(p.dtype) / world
-                    p.grad = g if p.grad is None else p.grad + g
+                    g = q.grad.to(sum_dtype or p.dtype) / world
+                    sums[k] = g if k not in sums else sums[k] + g
             step_loss += loss.item() / world
+        for k, p in enumerate(master.parameters()):
+            if k in sums:
+                p.grad = sums[k].to(p.dtype)
         opt.step()
         opt.zero_grad()
         losses.append(step_loss)
@@ -179,15 +192,24 @@ def train(model, opt, name: str, rank: int, world: int, steps: range,
 
 def case(name: str, mesh, rank: int, world: int, bf16: bool) -> dict:
     """Trained in float64 (its reference ``full`` too), or under the bf16 policy with fp32 masters (then
-    ``full`` is fp32 training, and ``policy`` the FSDP-free policy reference)."""
+    ``full`` is fp32 training, ``policy`` the FSDP-free policy reference, and ``orders`` that reference's
+    SPREAD_ORDERS other orders' distances from it). The references are trained once over the ranks."""
     full = torch.float32 if bf16 else FULL
     losses, params, routes = sharded(name, mesh, rank, world, bf16, master=full)
     out = {"routes": routes, "top_k": config(name).top_k, "n_experts": config(name).n_experts}
+    jobs = {"full": functools.partial(reference, name, world, full)}
+    if bf16:
+        jobs |= {order: functools.partial(reference, name, world, torch.bfloat16, order=order)
+                 for order in (None, *range(SPREAD_ORDERS))}
+    refs = shared(jobs)
     if rank == 0:
-        for label, dtype in [("full", full)] + ([("policy", torch.bfloat16)] if bf16 else []):
-            want_losses, want_params = reference(name, world, dtype)
-            out[label] = {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
-                          "params": rel_errors(params, want_params)}
+        for label, key in [("full", "full")] + ([("policy", None)] if bf16 else []):
+            want_losses, want_params = refs[key]
+            out[label] = {"loss": loss_error(losses, want_losses), "params": rel_errors(params, want_params)}
+        if bf16:
+            policy_losses, policy = refs[None]
+            out["orders"] = [{"loss": loss_error(refs[k][0], policy_losses),
+                              "params": rel_errors(refs[k][1], policy)} for k in range(SPREAD_ORDERS)]
         out["losses"] = losses
     return out
 
@@ -211,13 +233,20 @@ def global_expert_names(params: dict, name: str, ep_mesh) -> dict:
 
 
 def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: bool = False, *,
-            optimizer=adamw, granularity=None, full: torch.dtype = torch.float32) -> dict:
+            optimizer=adamw, granularity=None, full: torch.dtype = torch.float32,
+            spread_of: str | None = None) -> dict:
     """Expert parallelism on an (ep, fsdp) mesh, every other parameter over all ranks; with ``replicas``
     (HSDP) on a (replicas, ep, fsdp) mesh, the rest on (replicas, ep * fsdp). fp32, or bf16 under the
     mixed-precision policy: then also compared with the policy reference, and that reference with fp32
     training (``policy_vs_full``: the policy's own distance, which FSDP2 and plain FSDP reproduce).
     Trained and referenced with ``optimizer`` (AdamW), sharded with ``granularity``; ``full``: the dtype of
-    the master and of the full-precision reference (``full``), fp32 under the bf16 policy."""
+    the master and of the full-precision reference (``full``), fp32 under the bf16 policy. ``spread_of``
+    (``"full"`` or ``"policy"``): also that reference trained in SPREAD_ORDERS other orders (``reference``'s
+    ``order``; the policy's with the ranks' bf16 gradients summed in bf16, as expert parallelism sums an
+    expert's over every EP rank's tokens in one bf16 GEMM), and each one's distances from it (``orders``)
+    over the tensors (or rows) this rank holds, as the run's: for ``tests.parity.assert_within_spread``
+    over every rank's.
+    The references are computed once, spread over the ranks (``_dist.shared``)."""
     fsdp = world // (replicas * ep)
     if replicas == 1:
         ep_mesh = init_device_mesh("cpu", (ep, fsdp), mesh_dim_names=("ep", "fsdp"))
@@ -229,11 +258,27 @@ def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: 
                                                  granularity, full)
     out = {"rank": rank, "routes": routes, "received": received, "top_k": config(name).top_k,
            "n_experts": config(name).n_experts}
-    refs = {label: reference(name, world, dtype, optimizer)
-            for label, dtype in [("full", full)] + ([("policy", torch.bfloat16)] if bf16 else [])}
-    for label, (want_losses, want) in refs.items():
+    dtypes = {"full": full, **({"policy": torch.bfloat16} if bf16 else {})}
+    train = functools.partial(reference, name, world, optimizer=optimizer)
+    jobs = {label: functools.partial(train, dtype) for label, dtype in dtypes.items()}
+    if spread_of is not None:
+        sums = torch.bfloat16 if spread_of == "policy" else None
+        jobs |= {f"order {k}": functools.partial(train, dtypes[spread_of], order=k, sum_dtype=sums)
+                 for k in range(SPREAD_ORDERS)}
+    refs = shared(jobs)
+    for label in dtypes:
+        want_losses, want = refs[label]
         got, ref = held_and_reference(params, name, ep_mesh, want)
         out[label] = {"loss": loss_error(losses, want_losses), "params": rel_errors(got, ref)}
+    if spread_of is not None:
+        want_losses, want = refs[spread_of]
+        _, ref = held_and_reference(params, name, ep_mesh, want)
+        out["orders"] = []
+        for k in range(SPREAD_ORDERS):
+            order_losses, order = refs[f"order {k}"]
+            _, held = held_and_reference(params, name, ep_mesh, order)
+            out["orders"].append({"loss": loss_error(order_losses, want_losses),
+                                  "params": rel_errors(held, ref)})
     if bf16:
         (full_losses, full_weights), (policy_losses, policy_weights) = refs["full"], refs["policy"]
         out["policy_vs_full"] = {"loss": loss_error(policy_losses, full_losses),
@@ -290,7 +335,8 @@ def refused_ep_mesh(dims: tuple[str, ...]) -> str:
 
 def ep_bf16_checks(rank: int, world: int) -> dict:
     """Expert parallelism in bf16 under the mixed-precision policy at (ep, fsdp) = (2, 2) on 4 ranks."""
-    return run_cases({f"{name}/ep2-bf16": lambda name=name: ep_case(name, rank, world, 2, bf16=True)
+    return run_cases({f"{name}/ep2-bf16": lambda name=name: ep_case(name, rank, world, 2, bf16=True,
+                                                                     spread_of="policy")
                       for name in EP_MODELS})
 
 
@@ -299,5 +345,5 @@ def hsdp_checks(rank: int, world: int, bf16: bool) -> dict:
     skewed onto EP rank 0's experts) or bf16."""
     names = EP_MODELS + (() if bf16 else (f"gpt-oss-tiny{SKEWED}",))
     full = torch.float32 if bf16 else FULL
-    return run_cases({f"{name}/hsdp2-ep2": lambda name=name: ep_case(name, rank, world, 2, 2, bf16, full=full)
-                      for name in names})
+    return run_cases({f"{name}/hsdp2-ep2": lambda name=name: ep_case(
+        name, rank, world, 2, 2, bf16, full=full, spread_of="policy" if bf16 else None) for name in names})

@@ -5,15 +5,24 @@ Every case applies TP first and FSDP after, torchtitan's order: the project's ll
 ``LlamaForCausalLM`` with the torchtitan-style plan beside it (``apply_hf_llama_tensor_parallel``), on
 (dp, tp) meshes and on (replicate, dp, tp) for HSDP; both with loss parallelism (the logits stay split by
 vocabulary, the loss runs under ``loss_parallel()``) unless a case turns it off. Each trains STEPS AdamW
-steps (clipped) on its dp rank's rows; the single-process reference trains the same model, data and seed
-in the worker itself; PyTorch FSDP2 + TP runs the same case (the same loss parallelism) as the baseline.
-The ``structured`` cases train with 8-bit Adam and Muon instead, against the same optimizer in one
-process. Results are rank 0's worst relative loss and parameter errors against the reference (the
-parameters read back with ``full_tensor()``, the placement's own gather).
+steps (clipped) on its dp rank's rows; the single-process reference trains the same model, data and seed;
+PyTorch FSDP2 + TP runs the same case (the same loss parallelism) as the baseline. The ``structured``
+cases train with 8-bit Adam and Muon instead, against the same optimizer in one process. Results are rank
+0's worst relative loss and parameter errors against the reference (the parameters read back with
+``full_tensor()``, the placement's own gather).
+
+Everything that can runs in float64 (``FULL``: models, batches' activations, gloo's reductions; Muon
+computes in at least its parameters' dtype). What cannot, bf16 mixed precision and 8-bit Adam (its moments
+are 8-bit codes of fp32 values), runs with fp32 masters against ``micro_reference``: one process, each
+step's rows in the run's dp micro-batches (each one's gradient apart, on a bf16 copy of the master under the
+policy), also trained on SPREAD_ORDERS row permutations (the orders' distances bound the run's,
+``tests.parity.assert_within_spread``). The references are trained once per launch, side by side on the
+ranks (``_dist.shared``), not once per rank and case.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -26,10 +35,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ragged.models import LLAMA_TINY
-from tests.torch_backend._dist import run_cases
+from tests.parity import SPREAD_ORDERS
+from tests.torch_backend._dist import run_cases, shared
 from tests.torch_backend._user_model_workers import rel_errors
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # torch's: both take it
+FULL = torch.float64  # the parity cases' dtype (tests/parity.py); bf16 and 8-bit Adam keep fp32 masters
 B, T, STEPS = 8, 8, 5  # 8 rows split over dp 1, 2 and 4; T splits over tp 2 (sequence parallel)
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 0
 MUON_LR = 0.02
@@ -95,12 +106,12 @@ MODELS = {"llama": (llama, "ours", shard_llama), "hf": (hf_llama, "hf", shard_hf
 
 
 def build(kind: str, mesh: DeviceMesh | None, which: str, dp: tuple[str, ...] = ("dp",),
-          loss_parallel: bool = True, **shard_kwargs) -> nn.Module:
-    """The model of ``kind``: plain for the reference (``mesh`` None), else TP on ``mesh["tp"]`` (the logits
-    split by vocabulary under ``loss_parallel``) and then ``which`` FSDP ("ours" or "fsdp2") on ``mesh[dp]``
-    with ``shard_kwargs``."""
+          loss_parallel: bool = True, dtype: torch.dtype = FULL, **shard_kwargs) -> nn.Module:
+    """The model of ``kind`` in ``dtype``: plain for the reference (``mesh`` None), else TP on ``mesh["tp"]``
+    (the logits split by vocabulary under ``loss_parallel``) and then ``which`` FSDP ("ours" or "fsdp2") on
+    ``mesh[dp]`` with ``shard_kwargs``."""
     make, tp_plan, shard = MODELS[kind]
-    model = make()
+    model = make().to(dtype)
     if mesh is None:
         return model
     from torch_backend.models import apply_hf_llama_tensor_parallel, apply_tensor_parallel
@@ -184,10 +195,39 @@ def rel(got: list[float], want: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, want))
 
 
-def reference(kind: str, steps: range = range(STEPS)) -> dict:
+def reference(kind: str, steps: range = range(STEPS), optimizer: str | None = None) -> dict:
+    """Single-process training in ``FULL`` on the whole batch (AdamW, or ``structured_optimizer``)."""
     model = build(kind, None, "reference")
-    out, _ = train(model, "reference", steps=steps)
+    out, _ = train(model, "reference", steps=steps,
+                   opt=structured_optimizer(optimizer, model) if optimizer else None)
     return {**out, "params": full_params(model)}
+
+
+def micro_reference(kind: str, micro: int, compute: torch.dtype = torch.float32, optimizer: str | None = None,
+                    order: int | None = None) -> dict:
+    """Single-process training with fp32 masters in the run's ``micro`` dp micro-batches, each on the master
+    cast to ``compute`` (``_policy_reference.train``), clipped, then AdamW (or ``structured_optimizer``);
+    ``order``: the rows permuted, the same training summed in another order."""
+    from tests.torch_backend import _policy_reference
+    from torch_backend.models import cross_entropy
+
+    master = build(kind, None, "reference", dtype=torch.float32)
+    opt = structured_optimizer(optimizer, master) if optimizer else torch.optim.AdamW(
+        master.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def loss_of(call, rows):
+        out = call(rows[0])
+        return cross_entropy(out if isinstance(out, torch.Tensor) else out.logits, rows[1])
+
+    out = _policy_reference.train(master, batch, loss_of, STEPS, micro, opt, compute, order,
+                                  clip=lambda m: clip(m, "reference"))
+    return {**out, "params": full_params(master)}
+
+
+def distances(got: dict, ref: dict) -> dict:
+    """A run's (or another order's) worst relative loss, gradient-norm and parameter errors from ``ref``."""
+    return {"loss": rel(got["losses"], ref["losses"]), "norm": rel(got["norms"], ref["norms"]),
+            "params": rel_errors(got["params"], ref["params"])}
 
 
 def dp_position(mesh: DeviceMesh, dp: tuple[str, ...]) -> tuple[int, int]:
@@ -200,43 +240,48 @@ def dp_position(mesh: DeviceMesh, dp: tuple[str, ...]) -> tuple[int, int]:
 
 
 def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, loss_parallel: bool = True,
+             dtype: torch.dtype = FULL, orders: list[dict] = (), also: dict | None = None,
              **shard_kwargs) -> dict:
-    """Ours and FSDP2 on the same TP case (the same ``loss_parallel``) against the reference and against
-    each other; ours' placements and the logits shape each holds."""
+    """Ours and FSDP2 on the same TP case (the same ``loss_parallel``, models in ``dtype``) against the
+    reference ``ref`` and against each other; ours' placements and the logits shape each holds. ``orders``:
+    ``ref`` trained in other orders (their distances from it: ``orders``); ``also``: more references, each
+    run's distances from them (``{which}_vs_{label}``)."""
     from torch_backend import debug_counter
 
     out, params = {}, {}
     for which in ("ours", "fsdp2"):
-        model = build(kind, mesh, which, dp, loss_parallel, **shard_kwargs)
+        model = build(kind, mesh, which, dp, loss_parallel, dtype, **shard_kwargs)
         with debug_counter() as counter:
             got, _ = train(model, which, *dp_position(mesh, dp))
         if which == "ours":  # zero-copy with TP too: no bytes copied outside collectives, one reduce per unit
             out["copy_bytes"] = counter.copy_bytes
             out["reduce_scatters"] = sorted(set(counter.per_label("reduce_scatter").values()))
         params[which] = full_params(model)
-        out[which] = {"loss": rel(got["losses"], ref["losses"]), "norm": rel(got["norms"], ref["norms"]),
-                      "params": rel_errors(params[which], ref["params"]), "logits": got["logits"]}
+        out[which] = {**distances({**got, "params": params[which]}, ref), "logits": got["logits"]}
+        for label, other in (also or {}).items():
+            out[f"{which}_vs_{label}"] = distances({**got, "params": params[which]}, other)
         if which == "ours":
             out["placements"] = {n: [str(q) for q in p.placements] for n, p in model.named_parameters()}
+            out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     out["ours_vs_fsdp2"] = rel_errors(params["ours"], params["fsdp2"])
+    out["orders"] = [distances(o, ref) for o in orders]
     return out
 
 
-def structured(kind: str, mesh: DeviceMesh, optimizer: str, dp: tuple[str, ...] = ("dp",)) -> dict:
-    """8-bit Adam or Muon on ours + TP (FSDP on ``mesh[dp]``) against the same optimizer on the same model
-    in one process."""
+def structured(kind: str, mesh: DeviceMesh, optimizer: str, ref: dict, dp: tuple[str, ...] = ("dp",),
+               orders: list[dict] = ()) -> dict:
+    """8-bit Adam (fp32 masters) or Muon (``FULL``) on ours + TP (FSDP on ``mesh[dp]``) against the same
+    optimizer on the same model in one process (``ref``; 8-bit Adam's in the run's micro-batches, with
+    ``orders``: the same in other orders)."""
     import ragged.quant
 
-    reference_model = build(kind, None, "reference")
-    want, _ = train(reference_model, "reference", opt=structured_optimizer(optimizer, reference_model))
+    dtype = torch.float32 if optimizer == "adam8bit" else FULL
     tiles = {"granularity": lambda name, shape: ragged.quant.tile_granularity(shape, tile=TP_TILE)}
-    model = build(kind, mesh, "ours", dp, **(tiles if optimizer == "adam8bit" else {}))
+    model = build(kind, mesh, "ours", dp, dtype=dtype, **(tiles if optimizer == "adam8bit" else {}))
     got, _ = train(model, "ours", *dp_position(mesh, dp), opt=structured_optimizer(optimizer, model))
-    params, ref = full_params(model), full_params(reference_model)
-    initial = full_params(build(kind, None, "reference"))
-    return {"loss": rel(got["losses"], want["losses"]), "norm": rel(got["norms"], want["norms"]),
-            "params": rel_errors(params, ref), "moved": rel_errors(ref, initial),
-            "abs": max(float((params[n] - ref[n]).abs().max()) for n in ref)}
+    initial = full_params(build(kind, None, "reference", dtype=dtype))
+    return {**distances({**got, "params": full_params(model)}, ref),
+            "moved": rel_errors(ref["params"], initial), "orders": [distances(o, ref) for o in orders]}
 
 
 def redistributed(mesh: DeviceMesh) -> dict:
@@ -315,7 +360,7 @@ def dcp_save(mesh: DeviceMesh, ckpt_dir: str) -> dict:
 
     model = build("llama", mesh, "ours")
     _, opt = train(model, "ours", *dp_position(mesh, ("dp",)))
-    save_dcp_checkpoint(Path(ckpt_dir) / "tp2x2", model, opt)
+    save_dcp_checkpoint(Path(ckpt_dir) / "tp2x2", model, opt)  # FULL: the checkpoint holds float64
     full = {"params": full_params(model), "state": full_state(model, opt)}
     if dist.get_rank() == 0:
         torch.save(full, _saved_file(ckpt_dir))
@@ -329,9 +374,10 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
             for n, p in model.named_parameters() for k, v in opt.state[p].items()}
 
 
-def dcp_load(mesh: DeviceMesh, ckpt_dir: str) -> dict:
+def dcp_load(mesh: DeviceMesh, ckpt_dir: str, ref: dict) -> dict:
     """Load the (dp 2, tp 2) checkpoint at this mesh: parameters and AdamW state equal to what was saved
-    (worst absolute difference), then one more step against the reference's step STEPS + 1."""
+    (worst absolute difference), then one more step against the reference's step STEPS + 1 (``ref``:
+    ``reference("llama", range(STEPS + 1))``)."""
     from torch_backend import load_dcp_checkpoint
 
     saved = torch.load(_saved_file(ckpt_dir))
@@ -343,42 +389,76 @@ def dcp_load(mesh: DeviceMesh, ckpt_dir: str) -> dict:
            "state": max(float((state[k] - v).abs().max()) for k, v in saved["state"].items()),
            "state_keys": sorted(state) == sorted(saved["state"])}
     got, _ = train(model, "ours", *dp_position(mesh, ("dp",)), steps=range(STEPS, STEPS + 1), opt=opt)
-    ref = reference("llama", steps=range(STEPS + 1))
     out["loss"] = rel(got["losses"], ref["losses"][-1:])
     out["after"] = rel_errors(full_params(model), ref["params"])
     return out
 
 
 # ----- checks ---------------------------------------------------------------------------------------
+def references(world: int) -> dict:
+    """Every reference a launch of ``world`` ranks compares with, each trained once (``_dist.shared``):
+    float64 AdamW of each model (STEPS + 1 steps for the checkpoint's extra step), float64 Muon, and the
+    fp32 micro-batched references of bf16 and 8-bit Adam with their SPREAD_ORDERS other orders (dp 2, or
+    the 4 data-parallel ranks of HSDP at 8 ranks)."""
+    if world == 2:
+        return shared({"llama +1": functools.partial(reference, "llama", range(STEPS + 1))})
+    micro = 2 if world == 4 else 4
+    jobs = {"llama": functools.partial(reference, "llama"), "hf": functools.partial(reference, "hf"),
+            "llama muon": functools.partial(reference, "llama", optimizer="muon")}
+    spread = [("llama", "adam8bit", torch.float32)]
+    if world == 4:
+        jobs |= {"llama +1": functools.partial(reference, "llama", range(STEPS + 1)),
+                 "hf muon": functools.partial(reference, "hf", optimizer="muon")}
+        spread += [("hf", "adam8bit", torch.float32), ("llama", None, torch.bfloat16)]
+    for kind, optimizer, compute in spread:
+        for order in (None, *range(SPREAD_ORDERS)):
+            jobs[(kind, optimizer, str(compute), order)] = functools.partial(
+                micro_reference, kind, micro, compute, optimizer, order)
+    return shared(jobs)
+
+
+def spread_of(refs: dict, kind: str, optimizer: str | None, compute: torch.dtype) -> tuple[dict, list[dict]]:
+    """A micro-batched reference and its other orders."""
+    key = (kind, optimizer, str(compute))
+    return refs[(*key, None)], [refs[(*key, k)] for k in range(SPREAD_ORDERS)]
+
+
 def checks(rank: int, world: int, ckpt_dir: str) -> dict:
     torch.manual_seed(0)
+    refs = references(world)
     if world == 2:  # after the 4-rank launch wrote the checkpoint
         return run_cases({"dcp_load_dp1_tp2": lambda: dcp_load(
-            init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), ckpt_dir)})
+            init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), ckpt_dir, refs["llama +1"])})
+    llama, hf = refs["llama"], refs["hf"]
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        policy, policy_orders = spread_of(refs, "llama", None, torch.bfloat16)
+        llama8, llama8_orders = spread_of(refs, "llama", "adam8bit", torch.float32)
+        hf8, hf8_orders = spread_of(refs, "hf", "adam8bit", torch.float32)
         return run_cases({
-            "llama": lambda: composed("llama", mesh, ("dp",), reference("llama")),
-            "hf": lambda: composed("hf", mesh, ("dp",), reference("hf")),
-            "llama_gathered_logits": lambda: composed("llama", mesh, ("dp",), reference("llama"),
-                                                      loss_parallel=False),
-            "llama_bf16": lambda: composed("llama", mesh, ("dp",), reference("llama"), mp_policy=BF16),
-            "llama_adam8bit": lambda: structured("llama", mesh, "adam8bit"),
-            "llama_muon": lambda: structured("llama", mesh, "muon"),
-            "hf_adam8bit": lambda: structured("hf", mesh, "adam8bit"),
-            "hf_muon": lambda: structured("hf", mesh, "muon"),
+            "llama": lambda: composed("llama", mesh, ("dp",), llama),
+            "hf": lambda: composed("hf", mesh, ("dp",), hf),
+            "llama_gathered_logits": lambda: composed("llama", mesh, ("dp",), llama, loss_parallel=False),
+            "llama_bf16": lambda: composed("llama", mesh, ("dp",), policy, dtype=torch.float32,
+                                           orders=policy_orders, also={"full": llama}, mp_policy=BF16),
+            "llama_adam8bit": lambda: structured("llama", mesh, "adam8bit", llama8, orders=llama8_orders),
+            "llama_muon": lambda: structured("llama", mesh, "muon", refs["llama muon"]),
+            "hf_adam8bit": lambda: structured("hf", mesh, "adam8bit", hf8, orders=hf8_orders),
+            "hf_muon": lambda: structured("hf", mesh, "muon", refs["hf muon"]),
             "redistribute": lambda: redistributed(mesh),
             "refusals": lambda: refusals(mesh),
             "dcp_save": lambda: dcp_save(mesh, ckpt_dir),
             "dcp_load_dp4_tp1": lambda: dcp_load(
-                init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp")), ckpt_dir),
+                init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp")), ckpt_dir, refs["llama +1"]),
         })
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
+    hsdp = ("replicate", "dp")
+    adam8bit, adam8bit_orders = spread_of(refs, "llama", "adam8bit", torch.float32)
     return run_cases({
-        "llama_hsdp": lambda: composed("llama", mesh, ("replicate", "dp"), reference("llama")),
-        "hf_hsdp": lambda: composed("hf", mesh, ("replicate", "dp"), reference("hf")),
-        "llama_hsdp_adam8bit": lambda: structured("llama", mesh, "adam8bit", ("replicate", "dp")),
-        "llama_hsdp_muon": lambda: structured("llama", mesh, "muon", ("replicate", "dp")),
+        "llama_hsdp": lambda: composed("llama", mesh, hsdp, llama),
+        "hf_hsdp": lambda: composed("hf", mesh, hsdp, hf),
+        "llama_hsdp_adam8bit": lambda: structured("llama", mesh, "adam8bit", adam8bit, hsdp, adam8bit_orders),
+        "llama_hsdp_muon": lambda: structured("llama", mesh, "muon", refs["llama muon"], hsdp),
     })
 
 

@@ -230,21 +230,54 @@ def checks(rank: int, world: int) -> dict:
     return run_cases(cases)
 
 
+def policy_reference(world: int, order: int | None = None) -> dict:
+    """llama_untied trained in one process under the bf16 policy's casts: fp32 masters, each step's rows in
+    ``world`` micro-batches (the ranks), each on a bf16 cast of the master, the gradients summed in fp32
+    (``_policy_reference.train``); ``order``: the rows permuted, the same training summed in another order."""
+    from tests.torch_backend import _policy_reference
+
+    model = build("llama_untied").float()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=WEIGHT_DECAY)
+
+    def loss_of(call, rows):
+        logits = call(rows[0]).logits.float()[:, :-1]
+        return F.cross_entropy(logits.flatten(0, 1), rows[0][:, 1:].flatten())
+
+    out = _policy_reference.train(model, lambda step: (batch(step),), loss_of, STEPS, world, opt,
+                                  torch.bfloat16, order)
+    return {"losses": out["losses"], "params": out["params"]}
+
+
 def _bf16(mesh, rank: int, world: int) -> dict:
-    """Ours and FSDP2 under the same bf16 policy (fp32 masters and reductions), against each other."""
+    """Ours and FSDP2 under the same bf16 policy (fp32 masters and reductions), against each other and
+    against the policy reference, with that reference's distances in other orders (``orders``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 
+    from tests.parity import SPREAD_ORDERS
+    from tests.torch_backend._dist import shared
     from torch_backend import MixedPrecisionPolicy
+
+    refs = shared({order: functools.partial(policy_reference, world, order)
+                   for order in (None, *range(SPREAD_ORDERS))})
+    policy = refs[None]
+
+    def distances(losses: list[float], params: dict) -> dict:
+        return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, policy["losses"])),
+                "params": rel_errors(params, policy["params"])}
 
     rows = slice(rank * B // world, (rank + 1) * B // world)
     losses, params = {}, {}
-    for which, policy in (("ours", MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
-                          ("fsdp2", TorchPolicy(torch.bfloat16, torch.float32))):
-        model = shard(build("llama_untied").float(), mesh, which, mp_policy=policy)
+    for which, mp in (("ours", MixedPrecisionPolicy(torch.bfloat16, torch.float32)),
+                      ("fsdp2", TorchPolicy(torch.bfloat16, torch.float32))):
+        model = shard(build("llama_untied").float(), mesh, which, mp_policy=mp)
         losses[which] = train(model, rows)
-        params[which] = full_params(model)
+        params[which] = {n: p.double() for n, p in full_params(model).items()}
     return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["fsdp2"])),
-            "params": rel_errors(params["ours"], params["fsdp2"])}
+            "params": rel_errors(params["ours"], params["fsdp2"]),
+            "ours_vs_policy": distances(losses["ours"], params["ours"]),
+            "fsdp2_vs_policy": distances(losses["fsdp2"], params["fsdp2"]),
+            "orders": [distances(refs[k]["losses"], refs[k]["params"]) for k in range(SPREAD_ORDERS)]}
 
 
 def _meta_initialized(mesh=None) -> nn.Module:

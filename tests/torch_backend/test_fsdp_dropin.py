@@ -5,7 +5,9 @@ float-input model single-process (the reference), under ours and under PyTorch F
 option or method, and compares both with the reference. Every model, batch and master is float64 (gloo
 reduces it): losses and every parameter's relative norm within ``tests.parity.float64_rtol`` of the
 reference (only the order of the sums differs, which float64 keeps far under Adam's eps, whatever the
-CPU's kernels). Under a bf16 policy (bf16 compute, fp32 reduce), bf16's own bound against that reference.
+CPU's kernels). Under a bf16 policy (bf16 compute, fp32 reduce): within the spread of the policy's own
+single-process reference (a bf16 cast of the master and inputs per rank's rows, ``W.policy_reference``)
+over row orders (``tests.parity.assert_within_spread``), and within bf16's own bound of float64 training.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.parity import float64_rtol
+from tests.parity import assert_within_spread, float64_rtol
 from tests.torch_backend import _dropin_workers as W
 from tests.torch_backend._dist import Launcher, case_results
 
 RTOL = float64_rtol(W.STEPS)
-BF16_RTOL = 2e-2  # bf16 parameters and activations against the fp32 reference (8 mantissa bits)
+BF16_RTOL = 2e-2  # bf16 parameters and activations against the float64 reference (8 mantissa bits)
 _CHECKPOINTS = tempfile.TemporaryDirectory(prefix="dropin_dcp_")  # removed when the session ends
 run = Launcher(str(Path(W.__file__)), "checks", _CHECKPOINTS.name)
 
@@ -33,6 +35,12 @@ def assert_trains(r: dict, rtol: float = RTOL) -> None:
     """Ours and FSDP2 both within ``rtol`` of the single-process reference."""
     for which in ("ours", "fsdp2"):
         assert r[which]["loss"] <= rtol and r[which]["params"] <= rtol, (which, r)
+
+
+def assert_within_the_policy_spread(r: dict, prefix: str = "") -> None:
+    """bf16 ours and FSDP2 (the case is sound) within the spread of the policy reference's row orders."""
+    for which in ("fsdp2", "ours"):
+        assert_within_spread(r[f"{prefix}{which}_vs_policy"], r[f"{prefix}policy_orders"])
 
 
 # ----- FSDPModule -----------------------------------------------------------------------------------
@@ -130,6 +138,7 @@ def test_unknown_policies_and_dp_mesh_dims_are_refused_naming_the_option():
 @pytest.mark.parametrize("world", [2, 4])
 def test_torch_mixed_precision_policy_casts_inputs_and_outputs_like_fsdp2(world):
     r = result(world, "torch_mp_policy")
+    assert_within_the_policy_spread(r)
     assert_trains(r, BF16_RTOL)
     assert r["dtypes"]["ours"] == r["dtypes"]["fsdp2"] == {"block_in": "torch.bfloat16",
                                                            "output": "torch.float32"}
@@ -142,6 +151,7 @@ def test_torch_mixed_precision_policy_casts_inputs_and_outputs_like_fsdp2(world)
 def test_cpu_offload_trains_like_fsdp2_with_host_parameters_gradients_and_optimizer_state(world):
     r = result(world, "cpu_offload")
     assert_trains({"ours": r["ours"], "fsdp2": r["fsdp2"]})
+    assert_within_the_policy_spread(r, "bf16_")
     assert_trains({"ours": r["ours_bf16"], "fsdp2": r["fsdp2_bf16"]}, BF16_RTOL)
     assert r["where"] == {"devices": ["cpu"], "offload": True, "separate_compute_buffer": True}, r
     assert "accelerator" in r["pin_memory_default"]  # FSDP2 pins even without an accelerator; ours does not

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.parity import float64_rtol
+from tests.parity import assert_within_spread, float64_rtol
 from tests.torch_backend import _fsdp_workers as W
 from tests.torch_backend._dist import case_results, launch
 
@@ -27,7 +27,11 @@ WORKERS = str(Path(W.__file__))
 # kernels and the split: FSDP2 itself ended 3.9e-6 from the reference at 3 ranks, 4e-7 at 2 and 4).
 # FSDP2 on the same case must meet the same bound: the case itself is sound.
 RTOL = float64_rtol(W.STEPS)
-BF16_RTOL = 2e-2  # a few bf16 epsilons (2^-8) after 10 steps
+# The bf16 policy keeps fp32 masters: bounded by the spread of the policy's own single-process reference
+# (a bf16 cast of the master per micro-batch, as per rank; W.policy_reference) over row orders
+# (``tests.parity.assert_within_spread``; measured: 0 from the reference, whose orders spread 3.2e-3 in
+# parameters and 1.3e-5 in losses); against float64 training, within a few bf16 epsilons (2^-8; 7e-3).
+BF16_RTOL = 2e-2
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +87,17 @@ def test_float64_matches_single_process(run, reference, world):
     assert_params_close(r["params"], reference["params"], RTOL)
 
 
-def test_bf16_mixed_precision_within_bf16_tolerance(run, reference):
+def spread_distances(got: dict, want: dict) -> dict:
+    """Worst step's relative loss error and worst tensor's relative parameter error."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"]))
+    return {"loss": loss, "params": distance(got["params"], want["params"])[0]}
+
+
+def test_bf16_mixed_precision_trains_like_the_policy_reference_within_its_row_orders(run, reference):
     r = result(run(4), "bf16")
     assert r["master_dtypes"] == ["torch.float32"]  # the sharded master stays fp32
+    orders = [spread_distances(o, r["policy"]) for o in r["orders"]]
+    assert_within_spread(spread_distances(r, r["policy"]), orders)
     assert_losses_close(r["losses"], reference["losses"], BF16_RTOL)
     assert_params_close(r["params"], reference["params"], BF16_RTOL)
     assert r["losses"] != reference["losses"]  # it did compute in bf16

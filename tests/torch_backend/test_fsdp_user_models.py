@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.parity import float64_rtol
+from tests.parity import assert_within_spread, float64_rtol
 from tests.torch_backend import _user_model_workers as W
 from tests.torch_backend._dist import Launcher, case_results
 
@@ -30,8 +29,10 @@ pytest.importorskip("peft")
 # ranks under ATEN_CPU_CAPABILITY=default and avx2: losses at most 5.5e-16, parameters 3.3e-13 (GPT-2's
 # key biases, whose exact gradient is zero), ours and FSDP2 alike.
 RTOL = float64_rtol(W.STEPS)
-# ours and FSDP2 under the same bf16 policy: at most one bf16 rounding apart per step.
-BF16_RTOL = W.STEPS * torch.finfo(torch.bfloat16).eps
+# bf16 (fp32 masters): ours and FSDP2 under the same policy, each against the policy's single-process
+# reference (a bf16 cast of the master per rank's rows; W.policy_reference) and against each other, within
+# that reference's spread over row orders (``tests.parity.assert_within_spread``; measured: parameters 0
+# from the reference and from each other, losses 7.4e-8, against spreads of 3e-2 and 1.6e-4).
 
 
 run = Launcher(str(Path(W.__file__)))
@@ -55,7 +56,9 @@ def test_model_trains_like_single_process_and_fsdp2(world, model):
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_llama_matches_fsdp2_under_the_same_policy(world):
     r = result(world, "bf16_llama")
-    assert r["loss"] <= BF16_RTOL and r["params"] <= BF16_RTOL, r  # ours against FSDP2, both bf16
+    assert_within_spread(r["fsdp2_vs_policy"], r["orders"])  # the case is sound
+    assert_within_spread(r["ours_vs_policy"], r["orders"])
+    assert_within_spread({"loss": r["loss"], "params": r["params"]}, r["orders"])  # ours against FSDP2
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -32,8 +32,10 @@ CPU on the backend's thread). Split matrices run after them in both schedules, i
 path: one gather of all of them, the groups' Newton-Schulz, one scatter.
 
 The update is scaled by ``sqrt(max(1, rows / cols))`` (Keller Jordan's shape rule, so that tall matrices
-get the same per-row step). Weight decay is decoupled. Parameters that are not matrices use AdamW with
-fp32 state (``adamw_lr``, ``adamw_betas``, ``adamw_eps``).
+get the same per-row step). Weight decay is decoupled. Parameters that are not matrices use AdamW
+(``adamw_lr``, ``adamw_betas``, ``adamw_eps``). The state, the momentum and Newton-Schulz compute in at least
+fp32: fp32 for bf16 and fp32 parameters, float64 for float64 ones (``ns_dtype`` may lower Newton-Schulz
+alone, to bf16 say).
 """
 
 from __future__ import annotations
@@ -52,23 +54,25 @@ import ragged.muon
 from torch_backend.optim._adam8bit import adam_direction
 from torch_backend.optim._muon_group import NSGroup, group_dims, holdings, new_ns_group
 from torch_backend.optim._muon_split import new_subgroups, split_newton_schulz, split_placement
-from torch_backend.optim._params import ParamwiseOptimizer, local_slice, named_params
+from torch_backend.optim._params import ParamwiseOptimizer, at_least_fp32, local_slice, named_params
 from torch_backend.placement import start_all_to_all
 
 Finish = Callable[[], torch.Tensor]  # waits for an issued exchange and returns what arrived
 
 def newton_schulz(g: torch.Tensor, steps: int = ragged.muon.NS_STEPS, eps: float = 1e-7,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Approximately orthogonalize a matrix: 5 quintic steps on ``X / ||X||_F``, computed in ``dtype``.
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Approximately orthogonalize a matrix: 5 quintic steps on ``X / ||X||_F``, computed in ``dtype``
+    (default ``g``'s, at least fp32).
 
     Each step maps the singular values by ``p(s) = a s + b s^3 + c s^5`` (``ragged.muon.NS_COEFFS``) and keeps
     the singular vectors, so the result is ``U p^steps(S / ||G||_F) V^T``: close to the polar factor
     ``U V^T``, with singular values in roughly [0.7, 1.2]. Works on the wide orientation (transposed when
-    rows > cols) so ``X X^T`` is the smaller Gram matrix. Returns fp32 (bf16 ``dtype`` halves the
-    matmul cost on accelerators at a stated tolerance, see docs/optimizers.md).
+    rows > cols) so ``X X^T`` is the smaller Gram matrix. Returns ``g``'s dtype at least fp32 (bf16 ``dtype``
+    halves the matmul cost on accelerators at a stated tolerance, see docs/optimizers.md).
     """
     a, b, c = ragged.muon.NS_COEFFS
-    x = g.to(dtype)
+    out = at_least_fp32(g.dtype)
+    x = g.to(dtype or out)
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
@@ -76,7 +80,7 @@ def newton_schulz(g: torch.Tensor, steps: int = ragged.muon.NS_STEPS, eps: float
     for _ in range(steps):
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.T if tall else x).float()
+    return (x.T if tall else x).to(out)
 
 
 class _Matrix(NamedTuple):
@@ -166,7 +170,8 @@ class Muon(ParamwiseOptimizer):
             (``False``: one matrix after another; both give the same bits).
         in_flight: buckets whose gathers (and, separately, scatters) may be in flight while a device
             orthogonalizes; a device then holds at most ``2 * in_flight + 1`` whole matrices.
-        ns_dtype: the dtype Newton-Schulz computes in (``torch.bfloat16`` for the fast path).
+        ns_dtype: the dtype Newton-Schulz computes in (``torch.bfloat16`` for the fast path); default: the
+            momentum's (fp32, float64 for float64 parameters).
         max_imbalance: ``None``: one NS device per matrix (``ragged.muon.assign_ns_devices``). A target
             max / mean of per-device Newton-Schulz FLOPs: the matrices that stop it are split over groups
             of devices (``ragged.muon.assign_groups``; the others keep one NS device). Splitting balances
@@ -186,7 +191,7 @@ class Muon(ParamwiseOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, adamw_lr: float = 3e-4,
                  adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8, *,
-                 overlap: bool = True, in_flight: int = 2, ns_dtype: torch.dtype = torch.float32,
+                 overlap: bool = True, in_flight: int = 2, ns_dtype: torch.dtype | None = None,
                  max_imbalance: float | None = None) -> None:
         if in_flight < 1:
             raise ValueError(f"Muon: in_flight={in_flight} must be >= 1 (buckets in flight at once)")
@@ -363,10 +368,11 @@ class Muon(ParamwiseOptimizer):
         grad = local_slice(p.grad, name + ".grad").flat
         state = self.state[p]
         if not state:
-            state["momentum"] = torch.zeros_like(grad, dtype=torch.float32)
+            state["momentum"] = torch.zeros_like(grad, dtype=at_least_fp32(grad.dtype))
         buf, mu = state["momentum"], group["momentum"]
-        buf.lerp_(grad.float(), 1 - mu)
-        return torch.lerp(grad.float(), buf, mu) if group["nesterov"] else buf.clone()
+        grad = grad.to(buf.dtype)
+        buf.lerp_(grad, 1 - mu)
+        return torch.lerp(grad, buf, mu) if group["nesterov"] else buf.clone()
 
     def _apply(self, m: _Matrix, group: dict[str, Any], ortho: torch.Tensor) -> None:
         local = local_slice(m.p, "param").flat[m.lo:m.hi]  # the matrix's part of the parameter's elements
@@ -378,11 +384,12 @@ class Muon(ParamwiseOptimizer):
         grad = local_slice(p.grad, name + ".grad").flat
         state = self.state[p]
         if not state:
-            state.update(step=0, exp_avg=torch.zeros_like(local, dtype=torch.float32),
-                         exp_avg_sq=torch.zeros_like(local, dtype=torch.float32))
+            dtype = at_least_fp32(grad.dtype)
+            state.update(step=0, exp_avg=torch.zeros_like(local, dtype=dtype),
+                         exp_avg_sq=torch.zeros_like(local, dtype=dtype))
         state["step"] += 1
-        direction = adam_direction(state["exp_avg"], state["exp_avg_sq"], grad.float(), state["step"],
-                                   group["adamw_betas"], group["adamw_eps"])
+        direction = adam_direction(state["exp_avg"], state["exp_avg_sq"], grad.to(state["exp_avg"].dtype),
+                                   state["step"], group["adamw_betas"], group["adamw_eps"])
         local.mul_(1 - group["adamw_lr"] * group["weight_decay"])
         local.add_(direction.to(local.dtype), alpha=-group["adamw_lr"])
 

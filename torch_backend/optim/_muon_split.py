@@ -23,6 +23,7 @@ import torch.distributed as dist
 import ragged
 import ragged.muon
 from torch_backend._collectives import all_gather, all_reduce, all_to_all
+from torch_backend.optim._params import at_least_fp32
 
 Devices = tuple[int, ...]  # a sorted group of device indices on the sharding mesh dim
 
@@ -59,18 +60,20 @@ def new_subgroups(groups: Sequence[Devices],
 
 def split_newton_schulz(rows: torch.Tensor, shape: tuple[int, int], group: dist.ProcessGroup,
                         steps: int = ragged.muon.NS_STEPS, eps: float = 1e-7,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
     """This member's rows of Newton-Schulz of the ``shape`` matrix whose row blocks the group holds.
 
     Args:
         rows: this member's flat row block (``split_placement``: ``shape[0] / g`` rows, in group-rank order).
         shape: the whole matrix's shape; ``g`` (the group's size) must divide both sides.
         group: the members' process group.
-        steps, eps, dtype: as ``newton_schulz`` (the result is fp32; the Gram all-reduce sums in fp32 and
-            rounds to ``dtype`` once, as one device's matmul does).
+        steps, eps, dtype: as ``newton_schulz`` (the result is ``rows``' dtype at least fp32). Each
+            member's part of the Gram matrix is rounded to ``dtype`` by its own matmul, summed over the
+            group in ``dtype`` at least fp32 and rounded to ``dtype`` again, where one device's matmul
+            rounds once: in bf16 a split is about as far from one device's bf16 as bf16 is from exact.
 
     Returns:
-        The flat row block of the orthogonalized matrix, fp32.
+        The flat row block of the orthogonalized matrix, in ``rows``' dtype at least fp32.
 
     Raises:
         ragged.PlanningError: ``g`` does not divide both sides; ValueError: ``rows`` is not one row block.
@@ -85,20 +88,23 @@ def split_newton_schulz(rows: torch.Tensor, shape: tuple[int, int], group: dist.
     a, b, c = ragged.muon.NS_COEFFS
     tall = shape[0] > shape[1]
     block = rows.view(shape[0] // g, shape[1])
+    out = at_least_fp32(rows.dtype)
+    dtype = dtype or out
+    acc = at_least_fp32(dtype)  # the Gram matrix's and the norm's sums
     x = (block.T if tall else _rows_to_columns(block, g, group, what)).to(dtype)  # (m, n/g)
     m = x.shape[0]
-    norm_sq = x.float().square().sum().reshape(1)
+    norm_sq = x.to(acc).square().sum().reshape(1)
     all_reduce(norm_sq, group, label=what).wait()
     x = x / (norm_sq.sqrt().to(dtype).squeeze() + eps)  # a 0-d norm in dtype, as newton_schulz's x.norm()
     poly = x.new_empty(m, m)
     for _ in range(steps):
-        gram = (x @ x.T).float()
+        gram = (x @ x.T).to(acc)
         all_reduce(gram, group, label=what).wait()
         gram = gram.to(dtype)
         own = gram[i * m // g:(i + 1) * m // g]
         all_gather(poly, b * own + c * own @ gram, group, label=what).wait()
         x = a * x + poly @ x
-    x = x.float()
+    x = x.to(out)
     return (x.T if tall else _columns_to_rows(x, g, group, what)).reshape(-1)
 
 

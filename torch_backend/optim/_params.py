@@ -14,6 +14,12 @@ import ragged
 from torch_backend.placement import RaggedShard, ragged_mesh_dim
 
 
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` promoted to at least fp32 (the optimizers' state and arithmetic): fp32 for bf16, fp16
+    and fp32, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class LocalSlice(NamedTuple):
     """Where a parameter's local elements sit in the tensor."""
 
