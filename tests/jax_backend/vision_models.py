@@ -35,15 +35,16 @@ BATCH, STEPS, CLASSES = 24, 3, 10
 class CNN(nnx.Module):
     """flax's MNIST tutorial CNN (smaller widths): images (B, 28, 28, 1) -> logits (B, 10)."""
 
-    def __init__(self, rngs: nnx.Rngs, rate: float = 0.025):
-        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
-        self.batch_norm1 = nnx.BatchNorm(8, rngs=rngs)
+    def __init__(self, rngs: nnx.Rngs, rate: float = 0.025, param_dtype=jnp.float32):
+        kw = {"rngs": rngs, "param_dtype": param_dtype}  # float64 under x64: drawn in float64 too
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), **kw)
+        self.batch_norm1 = nnx.BatchNorm(8, **kw)
         self.dropout1 = nnx.Dropout(rate=rate, rngs=rngs)
-        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
-        self.batch_norm2 = nnx.BatchNorm(16, rngs=rngs)
-        self.linear1 = nnx.Linear(7 * 7 * 16, 64, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), **kw)
+        self.batch_norm2 = nnx.BatchNorm(16, **kw)
+        self.linear1 = nnx.Linear(7 * 7 * 16, 64, **kw)
         self.dropout2 = nnx.Dropout(rate=rate, rngs=rngs)
-        self.linear2 = nnx.Linear(64, CLASSES, rngs=rngs)
+        self.linear2 = nnx.Linear(64, CLASSES, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         pool = lambda h: nnx.avg_pool(h, window_shape=(2, 2), strides=(2, 2))  # noqa: E731
@@ -111,10 +112,12 @@ def adamw() -> optax.GradientTransformation:
     return optax.adamw(3e-3, weight_decay=0.1)
 
 
-def image_batches(shape: tuple[int, ...], steps: int = STEPS) -> tuple[np.ndarray, np.ndarray]:
-    """``steps`` batches of images ``(BATCH, *shape)`` and integer labels ``(BATCH,)``."""
+def image_batches(shape: tuple[int, ...], steps: int = STEPS,
+                  dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """``steps`` batches of images ``(BATCH, *shape)`` (``dtype``: float64 for the float64 tests, the
+    fp32 images exactly) and integer labels ``(BATCH,)``."""
     rng = np.random.default_rng(0)
-    return (rng.normal(size=(steps, BATCH, *shape)).astype(np.float32),
+    return (rng.normal(size=(steps, BATCH, *shape)).astype(np.float32).astype(dtype),
             rng.integers(0, CLASSES, size=(steps, BATCH)).astype(np.int32))
 
 
