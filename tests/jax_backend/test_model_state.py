@@ -25,11 +25,13 @@ from tests.jax_backend.vision_models import (
     assert_state_close,
     cross_entropy,
     data_parallel_steps,
+    float64_model,
+    float64_reference,
     image_batches,
     near_error,
     per_device_state,
+    sgd,
     state_leaves,
-    train_data_parallel,
 )
 
 MESHES = {1: ((1,), ("fsdp",)), 3: ((3,), ("fsdp",)), 4: ((4,), ("fsdp",)), 8: ((8,), ("fsdp",)),
@@ -49,10 +51,6 @@ DEVICES = {1: 1, 3: 3, 4: 4, 8: 8, "2x2": 4, "2x4": 8}
 # limited to AVX2 or SSE4.2 (in fp32 1.1e-7, 1.5e-7 and 5.8e-8, CPU-dependent); a shard one element off,
 # an HSDP replica sum left out, a gradient summed where its mean is due: all fail.
 BOUND = float64_bound(STEPS)
-
-
-def sgd() -> optax.GradientTransformation:
-    return optax.sgd(0.05, momentum=0.9)
 
 
 def shard(model, mesh_key, **kw):
@@ -95,23 +93,18 @@ def cifar_like():
 
 @pytest.fixture(scope="module")
 def models() -> dict:
-    """The float64 models of the training tests, built once (training never changes a user's model)."""
-    return {"cnn": float64(CNN(nnx.Rngs(0), rate=0.2)), "cnn_no_dropout": float64(CNN(nnx.Rngs(0), rate=0.0)),
-            "vit": float64(ViT(nnx.Rngs(0), rate=0.2))}
+    """The float64 models of the training tests (vision_models.float64_model: built once)."""
+    return {"cnn": float64_model("cnn", 0.2), "cnn_no_dropout": float64_model("cnn", 0.0),
+            "vit": float64_model("vit", 0.2)}
 
 
 @pytest.fixture(scope="module")
-def reference(models, mnist, cifar_like):
-    """``reference(model_name, n)``: ``train_data_parallel`` of that model at ``n`` devices in float64,
-    trained once per module (the 8-device reference serves both 8 and HSDP 2 x 4)."""
-    runs = {}
-
+def reference():
+    """``reference(model_name, n)``: vision_models.float64_reference of that model at ``n`` devices,
+    trained once per session (the 8-device reference serves both 8 and HSDP 2 x 4)."""
     def get(name: str, n: int):
-        if (name, n) not in runs:
-            images, labels = cifar_like if name == "vit" else mnist
-            with jax.enable_x64(True):
-                runs[name, n] = train_data_parallel(models[name], images, labels, n, sgd())
-        return runs[name, n]
+        return float64_reference(*{"cnn": ("cnn", 0.2), "cnn_no_dropout": ("cnn", 0.0),
+                                   "vit": ("vit", 0.2)}[name], n)
 
     return get
 

@@ -19,6 +19,7 @@ ordinary single-device ``nnx`` training.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ import optax
 from flax import nnx
 
 from jax_backend import flatten_params
+from tests.jax_backend.jax_reference import float64
 
 BATCH, STEPS, CLASSES = 24, 3, 10
 
@@ -110,6 +112,34 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def adamw() -> optax.GradientTransformation:
     return optax.adamw(3e-3, weight_decay=0.1)
+
+
+def sgd() -> optax.GradientTransformation:
+    """SGD with momentum, the model-state tests' optimizer: its update is linear in the gradient, so the
+    rounding of a gradient that is zero in exact arithmetic (a bias before BatchNorm, attention's key
+    bias) is not amplified as AdamW's division by sqrt(nu) would."""
+    return optax.sgd(0.05, momentum=0.9)
+
+
+@functools.cache
+def float64_model(kind: str, rate: float) -> nnx.Module:
+    """``CNN`` or ``ViT`` (``kind``: "cnn", "vit") from seed 0 with Dropout ``rate``, in float64
+    (jax_reference.float64: Params and BatchNorm statistics), built once per session (training never
+    changes a user's model)."""
+    return float64((CNN if kind == "cnn" else ViT)(nnx.Rngs(0), rate=rate))
+
+
+IMAGE_SHAPES = {"cnn": (28, 28, 1), "vit": (16, 16, 3)}
+
+
+@functools.cache
+def float64_reference(kind: str, rate: float, n: int) -> tuple[list, dict, nnx.State]:
+    """``train_data_parallel`` of ``float64_model(kind, rate)`` at ``n`` devices with ``sgd()`` on the
+    float64 ``image_batches`` of its shape, under x64: trained once per session (test_model_state and
+    test_orbax share the CNN's one-device run)."""
+    images, labels = image_batches(IMAGE_SHAPES[kind], dtype=np.float64)
+    with jax.enable_x64(True):
+        return train_data_parallel(float64_model(kind, rate), images, labels, n, sgd())
 
 
 def image_batches(shape: tuple[int, ...], steps: int = STEPS,
