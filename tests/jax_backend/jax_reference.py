@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.nnx.nn import attention as nnx_attention
 
 from jax_backend import FSDP
 from jax_backend.models import Llama, cross_entropy, model_params
@@ -90,18 +91,40 @@ def params_distance(got: dict, want: dict) -> float:
 
 
 def float64(model):
-    """A copy of ``model`` (an NNX module or a params pytree) with its parameters in float64 (exact from
-    fp32); use it under ``jax.enable_x64(True)``, where its programs compute in float64. Flax layers that
-    fixed their compute ``dtype`` at construction (``nnx.Embed``: its table's) compute in float64 too."""
+    """A copy of ``model`` (an NNX module or a params pytree) with its parameters and its other
+    floating-point state (BatchNorm statistics, a user's float Variables) in float64 (exact from fp32;
+    integers and RNG keys as they are); use it under ``jax.enable_x64(True)``, where its programs compute
+    in float64. Flax layers that fixed their compute ``dtype`` at construction (``nnx.Embed``: its
+    table's) compute in float64 too, and so does flax's attention (``unfused_attention``)."""
     with jax.enable_x64(True):
         if not isinstance(model, nnx.Module):
-            return jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), model)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        copy = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params), rest)
+            return jax.tree.map(_to_float64, model)
+        graphdef, state = nnx.split(model)
+        copy = nnx.merge(graphdef, jax.tree.map(_to_float64, state))
     for _, module in nnx.iter_modules(copy):
         if getattr(module, "dtype", None) == jnp.float32:
             module.dtype = jnp.float64
+        if isinstance(module, nnx.MultiHeadAttention) and module.attention_fn is nnx.dot_product_attention:
+            module.attention_fn = unfused_attention
     return copy
+
+
+def _to_float64(a):
+    a = jnp.asarray(a)
+    return a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+
+def unfused_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                      dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                      **kw):
+    """``nnx.dot_product_attention`` by its own unfused path (the one it takes with dropout on): without
+    dropout it calls ``jax.nn.dot_product_attention``, which takes its softmax in fp32 whatever the
+    inputs' dtype (a float64 copy then trains ~1e-5 from its float64 reference)."""
+    assert query.shape[-2] == key.shape[-2] == value.shape[-2], "grouped-query heads: not needed here"
+    weights = nnx_attention.dot_product_attention_weights(
+        query, key, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
+        precision, module, **kw)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
 
 
 # Parity bounds (issue 32). A sharded run cannot equal the reference bit for bit: each device sums its own

@@ -1,8 +1,10 @@
 """One process of the two-process multi-host test (started by test_multihost.py with subprocess).
 
 Each process owns 2 host CPU devices; ``jax.distributed.initialize`` joins them into one 4-device mesh, and
-CPU collectives across processes go through gloo. The run trains llama-tiny like the single-device
-reference and saves a neutral checkpoint (process 0 writes) plus the losses.
+CPU collectives across processes go through gloo. The run trains llama-tiny in float64 like the test's
+single-device reference (conftest.reference: the fp32 model built without x64, then copied to float64;
+built under x64, flax would draw other initial values) and saves a neutral checkpoint (process 0 writes)
+plus the losses.
 
 Usage, with the repository root on PYTHONPATH:
     python tests/jax_backend/multihost_worker.py PROCESS_ID PORT OUT_DIR
@@ -11,7 +13,11 @@ Usage, with the repository root on PYTHONPATH:
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before jax is imported
+# Before jax is imported: 2 devices, and the test process's other flags (its optimization level, an ISA
+# limit), so that XLA compiles as it does for the reference: at XLA's default optimization level (the suite
+# runs at 0) flax's fp32 initializers draw other last bits, and the model starts 1.3e-7 from the reference's.
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=2"])
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
@@ -32,16 +38,17 @@ def main() -> None:
 
     from jax_backend import make_mesh, save_neutral_checkpoint
     from jax_backend.models import Llama, parallelize
-    from tests.jax_backend.jax_reference import BATCH, SEQ, STEPS, run_fsdp
+    from tests.jax_backend.jax_reference import BATCH, SEQ, STEPS, float64, run_fsdp
 
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     import numpy as np
 
     batches = np.random.default_rng(0).integers(0, 256, size=(STEPS, BATCH, SEQ + 1)).astype(np.int32)
-    model = Llama(rngs=nnx.Rngs(0))
-    fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), remat=True)
-    losses, buffers = run_fsdp(fsdp, model, batches)  # shards span both processes: saved, not unsharded
-    save_neutral_checkpoint(os.path.join(out, "ckpt"), buffers, fsdp.layouts)
+    model = float64(Llama(rngs=nnx.Rngs(0)))
+    with jax.enable_x64(True):
+        fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), remat=True)
+        losses, buffers = run_fsdp(fsdp, model, batches)  # shards span both processes: saved, not unsharded
+        save_neutral_checkpoint(os.path.join(out, "ckpt"), buffers, fsdp.layouts)
     if pid == 0:
         with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump(losses, f)

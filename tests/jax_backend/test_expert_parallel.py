@@ -62,14 +62,14 @@ from jax_backend.models.expert_parallel import parallelize_moe
 from jax_backend.models.llama import FeedForward
 from jax_backend.models.moe import MoEDecoder, load_balancing_loss, moe_loss, route_tokens
 from ragged.models import MOE_CONFIGS
-from tests.jax_backend.jax_reference import assert_float64_parity, float64, rel_err
+from tests.jax_backend.jax_reference import assert_float64_parity, float64, float64_bound, rel_err
 
 DEVICES, ROWS, SEQ, STEPS, LR = 8, 2, 8, 5, 1e-2  # ROWS per device; DEVICES: the bf16 and capacity tests'
 CASES = [(1, 4, 1), (2, 2, 1), (4, 1, 1), (2, 2, 2)]  # (ep, fsdp, replica), on ep * fsdp * replica devices
 BF16_CASES = [(2, 4, 1), (2, 2, 2)]
 MODELS = ["mixtral-tiny", "gpt-oss-tiny"]
 ADAMW = optax.adamw(LR, weight_decay=0.1)
-RTOL = 1e-5  # fp32 losses of one forward (capacity) and of the optimizer tests (measured 8.6e-8)
+RTOL = 1e-5  # fp32 losses of the optimizer tests (test_expert_parallel_optim; measured 8.6e-8)
 BF16_RTOL = 2e-2  # a few bf16 epsilons (2^-8), as tests/torch_backend/test_fsdp_moe.py
 
 
@@ -257,9 +257,12 @@ def test_five_adamw_steps_equal_single_device_training(x64, name, ep, fsdp, repl
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_dropped_assignments_equal_a_numpy_count(name):
+def test_dropped_assignments_equal_a_numpy_count(x64, name):
+    """In float64: the EP step's drops equal the count, and its loss the single-device forward's that
+    drops the same assignments, within float64_bound of one step (measured 3.8e-14 mixtral-tiny, 6.6e-15
+    gpt-oss-tiny; in fp32 8.6e-8)."""
     ep, fsdp, replica, factor = 2, 4, 1, 0.5
-    model, c = build(name), MOE_CONFIGS[name]
+    model, c = float64(build(name)), MOE_CONFIGS[name]
     data = np.random.default_rng(1).integers(0, c.vocab_size, (1, DEVICES * ROWS, SEQ + 1)).astype(np.int32)
     losses, _, drops = train_ep(model, data, ep, fsdp, replica, capacity_factor=factor, steps=1)
     n_tokens = ROWS * SEQ
@@ -274,7 +277,7 @@ def test_dropped_assignments_equal_a_numpy_count(name):
     got = np.array(list(drops[0].values())).T  # (DEVICES, MoE layers)
     np.testing.assert_array_equal(got, np.array(want_drops))
     assert got.sum() > 0, "capacity factor 0.5 dropped nothing: the test would not see drops"
-    np.testing.assert_allclose(losses[0], np.mean(device_loss), rtol=RTOL)
+    assert rel_err(losses[0], np.mean(device_loss)) <= float64_bound(1), (losses[0], np.mean(device_loss))
 
 
 @pytest.mark.parametrize("name", MODELS)

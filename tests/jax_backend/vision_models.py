@@ -19,6 +19,7 @@ ordinary single-device ``nnx`` training.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ import optax
 from flax import nnx
 
 from jax_backend import flatten_params
+from tests.jax_backend.jax_reference import float64
 
 BATCH, STEPS, CLASSES = 24, 3, 10
 
@@ -35,15 +37,16 @@ BATCH, STEPS, CLASSES = 24, 3, 10
 class CNN(nnx.Module):
     """flax's MNIST tutorial CNN (smaller widths): images (B, 28, 28, 1) -> logits (B, 10)."""
 
-    def __init__(self, rngs: nnx.Rngs, rate: float = 0.025):
-        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
-        self.batch_norm1 = nnx.BatchNorm(8, rngs=rngs)
+    def __init__(self, rngs: nnx.Rngs, rate: float = 0.025, param_dtype=jnp.float32):
+        kw = {"rngs": rngs, "param_dtype": param_dtype}  # float64 under x64: drawn in float64 too
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), **kw)
+        self.batch_norm1 = nnx.BatchNorm(8, **kw)
         self.dropout1 = nnx.Dropout(rate=rate, rngs=rngs)
-        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
-        self.batch_norm2 = nnx.BatchNorm(16, rngs=rngs)
-        self.linear1 = nnx.Linear(7 * 7 * 16, 64, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), **kw)
+        self.batch_norm2 = nnx.BatchNorm(16, **kw)
+        self.linear1 = nnx.Linear(7 * 7 * 16, 64, **kw)
         self.dropout2 = nnx.Dropout(rate=rate, rngs=rngs)
-        self.linear2 = nnx.Linear(64, CLASSES, rngs=rngs)
+        self.linear2 = nnx.Linear(64, CLASSES, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         pool = lambda h: nnx.avg_pool(h, window_shape=(2, 2), strides=(2, 2))  # noqa: E731
@@ -111,10 +114,40 @@ def adamw() -> optax.GradientTransformation:
     return optax.adamw(3e-3, weight_decay=0.1)
 
 
-def image_batches(shape: tuple[int, ...], steps: int = STEPS) -> tuple[np.ndarray, np.ndarray]:
-    """``steps`` batches of images ``(BATCH, *shape)`` and integer labels ``(BATCH,)``."""
+def sgd() -> optax.GradientTransformation:
+    """SGD with momentum, the model-state tests' optimizer: its update is linear in the gradient, so the
+    rounding of a gradient that is zero in exact arithmetic (a bias before BatchNorm, attention's key
+    bias) is not amplified as AdamW's division by sqrt(nu) would."""
+    return optax.sgd(0.05, momentum=0.9)
+
+
+@functools.cache
+def float64_model(kind: str, rate: float) -> nnx.Module:
+    """``CNN`` or ``ViT`` (``kind``: "cnn", "vit") from seed 0 with Dropout ``rate``, in float64
+    (jax_reference.float64: Params and BatchNorm statistics), built once per session (training never
+    changes a user's model)."""
+    return float64((CNN if kind == "cnn" else ViT)(nnx.Rngs(0), rate=rate))
+
+
+IMAGE_SHAPES = {"cnn": (28, 28, 1), "vit": (16, 16, 3)}
+
+
+@functools.cache
+def float64_reference(kind: str, rate: float, n: int) -> tuple[list, dict, nnx.State]:
+    """``train_data_parallel`` of ``float64_model(kind, rate)`` at ``n`` devices with ``sgd()`` on the
+    float64 ``image_batches`` of its shape, under x64: trained once per session (test_model_state and
+    test_orbax share the CNN's one-device run)."""
+    images, labels = image_batches(IMAGE_SHAPES[kind], dtype=np.float64)
+    with jax.enable_x64(True):
+        return train_data_parallel(float64_model(kind, rate), images, labels, n, sgd())
+
+
+def image_batches(shape: tuple[int, ...], steps: int = STEPS,
+                  dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """``steps`` batches of images ``(BATCH, *shape)`` (``dtype``: float64 for the float64 tests, the
+    fp32 images exactly) and integer labels ``(BATCH,)``."""
     rng = np.random.default_rng(0)
-    return (rng.normal(size=(steps, BATCH, *shape)).astype(np.float32),
+    return (rng.normal(size=(steps, BATCH, *shape)).astype(np.float32).astype(dtype),
             rng.integers(0, CLASSES, size=(steps, BATCH)).astype(np.int32))
 
 
