@@ -38,10 +38,11 @@ NUMERICS_TESTS = {
     "torch": tuple(f"tests/torch_backend/{f}.py" for f in (
         "test_fsdp_data_dependent", "test_fsdp_user_models", "test_fsdp_dropin", "test_fsdp_parity",
         "test_fsdp_moe", "test_moe_optim", "test_moe_dcp", "test_fsdp_tp", "test_optim", "test_muon_split",
-        "test_dcp")),
+        "test_dcp", "test_fsdp_multi_forward", "test_lightning", "test_accelerate")),
     "jax": tuple(f"tests/jax_backend/{f}.py" for f in (
         "test_step", "test_expert_parallel", "test_expert_parallel_optim", "test_tensor_parallel",
-        "test_optax", "test_model_state", "test_optim", "test_muon_split", "test_checkpoint")),
+        "test_optax", "test_model_state", "test_optim", "test_muon_split", "test_checkpoint", "test_orbax",
+        "test_multihost")),
 }
 
 

@@ -13,11 +13,12 @@ Usage, with the repository root on PYTHONPATH:
 import os
 import sys
 
+from experiments._xla import host_devices_flags
+
 # Before jax is imported: 2 devices, and the test process's other flags (its optimization level, an ISA
 # limit), so that XLA compiles as it does for the reference: at XLA's default optimization level (the suite
 # runs at 0) flax's fp32 initializers draw other last bits, and the model starts 1.3e-7 from the reference's.
-_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=2"])
+os.environ["XLA_FLAGS"] = host_devices_flags(2)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
