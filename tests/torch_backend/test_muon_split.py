@@ -11,7 +11,9 @@ computes in at least its parameters' dtype) that stays far under ``tests.parity.
 where a row block sent to the wrong member or a partial sum left out moves the result by 1e-2 or more. bf16
 Newton-Schulz has no float64: the split is bounded by one device's bf16 Newton-Schulz computed in other
 summation orders (the matrix's rows and columns permuted, ``tests.parity.assert_within_spread``), and
-against the float64 scheme by bf16's stated 5% (docs/optimizers.md).
+against the float64 scheme by bf16's stated 5% (docs/optimizers.md). Measured: float64 split Newton-Schulz
+2.5e-15 at most, split Muon 4.7e-17 (against 1.1e-9); bf16 3.7% to 4.3% from one device, its orders 3.7% to
+4.5% (each member's matmul rounds its part of the Gram matrix to bf16 before the sum).
 Threads (threaded process group) for the numbers; gloo processes to count FLOPs and collectives per rank.
 """
 

@@ -12,7 +12,9 @@ the gather moves bits, and what rounds differently (the reduce-scatter's sum of 
 units) stays far under float64's rounding; a matrix misplaced in its gather or scattered back to another
 shard is off by 1e-2 or more. 8-bit Adam on fully_shard units cannot leave fp32 (its moments are 8-bit codes
 of fp32 values): a last-bit difference of a gradient can move a moment across a code's threshold, so it is
-bounded by the spread of the reference over row orders (``tests.parity.assert_within_spread``).
+bounded by the spread of the reference over row orders (``tests.parity.assert_within_spread``). Measured:
+Muon 0 on given gradients (the same bits), 1.1e-15 on fully_shard units (against 1.1e-9); 8-bit Adam on
+units 0 at 2 ranks, 2.2e-7 at 3 against a spread of 1.4e-7 (1.6 times).
 """
 
 from __future__ import annotations
