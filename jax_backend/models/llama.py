@@ -58,13 +58,14 @@ class RMSNorm(nnx.Module):
 def apply_rope(x: jax.Array, theta: float) -> jax.Array:
     """Rotate consecutive pairs ``(x[2i], x[2i+1])`` by position-dependent angles (Meta's layout).
 
-    x: (B, T, H, D) -> (B, T, H, D); the angles are computed in fp32 from static shapes.
+    x: (B, T, H, D) -> (B, T, H, D); the angles are computed in fp32 (float64 for a float64 ``x``, as
+    torch_backend's) from static shapes.
     """
     _, t, _, d = x.shape
-    freqs = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # (D/2,)
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]  # (T, D/2)
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     pairs = at_least_fp32(x).reshape(*x.shape[:-1], d // 2, 2)
+    freqs = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=pairs.dtype) / d)  # (D/2,)
+    angles = jnp.arange(t, dtype=pairs.dtype)[:, None] * freqs[None, :]  # (T, D/2)
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     re, im = pairs[..., 0], pairs[..., 1]
     out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
     return out.reshape(x.shape).astype(x.dtype)
