@@ -423,10 +423,15 @@ def _fully_shard_run(base: torch.nn.Module, make_opt, x: torch.Tensor, y: torch.
 
 def _reference_fit(base: torch.nn.Module, make_opt, x: torch.Tensor, y: torch.Tensor,
                    chunks: int = 1) -> tuple[list[float], dict]:
+    """One process, on one thread (five tiny steps: thread hand-offs would cost more than the math)."""
     import copy
 
-    model = copy.deepcopy(base)
-    losses = _fit(model, make_opt, x, y, chunks)
+    model, threads = copy.deepcopy(base), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        losses = _fit(model, make_opt, x, y, chunks)
+    finally:
+        torch.set_num_threads(threads)
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
