@@ -28,7 +28,6 @@ def float64_rtol(steps: int) -> float:
     return FLOAT64_EPS * EPS_PER_STEP * steps
 
 
-
 # Cases that must stay in fp32 or bf16 (mixed precision, a bf16 all-gather, 8-bit Adam's quantization
 # codes, bf16 Newton-Schulz) have no float64 to move to. They are bounded by the spread of the same case's
 # summation orders instead: the reference computed in SPREAD_ORDERS other orders (its rows permuted, in

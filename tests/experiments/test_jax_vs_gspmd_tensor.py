@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from experiments._gspmd import gspmd_step
+from experiments._xla import host_devices_flags
 from jax_backend import make_mesh
 from jax_backend.models import Llama, cross_entropy, parallelize
 from tests.experiments._train_launch import ROOT
@@ -31,8 +32,8 @@ LOSS_RTOL = (BATCH * SEQ - 1) * 2.0**-24
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp_bench")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
+    # the run's XLA flags (its optimization level 0, an ISA limit of experiments.variance_check), 8 devices
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1", "XLA_FLAGS": host_devices_flags(8)}
     # --eigen-threads: XLA:CPU's default threading, as this process compiles with (the resharded programs'
     # temporary memory depends on it: llama-tiny 2,616,352 B with the script's one thread per device,
     # 2,587,424 B without)

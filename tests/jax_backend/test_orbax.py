@@ -69,19 +69,25 @@ def gspmd_resumed(tmp_path, model, batches, source, target, use_async) -> tuple[
     """The same case under GSPMD: half the steps on ``source``, its step's carry (params, AdamW's state,
     model state) through Orbax, restored with ``target``'s shardings, the rest there."""
     opt, half, losses = adamw(), len(batches) // 2, []
-    for mesh_key, data, step_no in ((source, batches[:half], None), (target, batches[half:], half)):
+
+    def gspmd(mesh_key):
         shape, names = MESHES[mesh_key]
-        step, carry = gspmd_step(model, cross_entropy, opt, make_mesh(shape, names), data_axes=names)
-        if step_no is not None:  # restore onto this mesh's shardings, the fresh carry as the target
-            with manager(tmp_path, use_async) as mngr:
-                carry = tuple(mngr.restore(step_no, args=ocp.args.StandardRestore(list(carry))))
+        return gspmd_step(model, cross_entropy, opt, make_mesh(shape, names), data_axes=names)
+
+    def train(step, carry, data):
         for b in data:
             *carry, loss = step(*carry, b[:, :-1], b[:, 1:])
             losses.append(float(loss))
-        if step_no is None:
-            with manager(tmp_path, use_async) as mngr:
-                mngr.save(half, args=ocp.args.StandardSave(list(carry)))
-                mngr.wait_until_finished()
+        return carry
+
+    step, carry = gspmd(source)
+    carry = train(step, carry, batches[:half])
+    with manager(tmp_path, use_async) as mngr:
+        mngr.save(half, args=ocp.args.StandardSave(list(carry)))
+        mngr.wait_until_finished()
+        step, fresh = gspmd(target)  # its fresh carry: the restore's target, with target's shardings
+        carry = mngr.restore(half, args=ocp.args.StandardRestore(list(fresh)))
+    carry = train(step, carry, batches[half:])
     return losses, {k: np.asarray(v) for k, v in flatten_params(carry[0]).items()}
 
 
