@@ -186,3 +186,14 @@ def assert_within_spread(losses, params: dict, reference: tuple, orders: list[tu
     assert d["loss"] <= SPREAD_MARGIN * d["loss_spread"], d
     assert d["params"] <= SPREAD_MARGIN * d["params_spread"], d
     return d
+
+
+def assert_params_within_spread(params: dict, reference: dict, orders: list[dict]) -> dict:
+    """``assert_within_spread`` for parameters alone (an optimizer run on given gradients): ``params``
+    within ``SPREAD_MARGIN`` times the largest distance of ``orders`` (the reference's run in other
+    summation orders) from ``reference``; returns the distances."""
+    d = {"params": params_distance(params, reference),
+         "params_spread": max(params_distance(o, reference) for o in orders)}
+    assert d["params_spread"] > 0, d  # the orders did round differently
+    assert d["params"] <= SPREAD_MARGIN * d["params_spread"], d
+    return d
