@@ -182,3 +182,12 @@ def assert_within_spread(losses, params: dict, reference: tuple, orders: list[tu
     return parity.assert_within_spread(
         {"loss": rel_err(losses, ref_losses), "params": params_distance(params, ref_params)},
         [{"loss": rel_err(o[0], ref_losses), "params": params_distance(o[1], ref_params)} for o in orders])
+
+
+def assert_params_within_spread(params: dict, reference: dict, orders: list[dict]) -> dict:
+    """``assert_within_spread`` for parameters alone (an optimizer run on given gradients): ``params``
+    within ``SPREAD_MARGIN`` times the largest distance of ``orders`` (the reference's run in other
+    summation orders) from ``reference``; returns the distances."""
+    return parity.assert_within_spread(
+        {"params": params_distance(params, reference)},
+        [{"params": params_distance(o, reference)} for o in orders])

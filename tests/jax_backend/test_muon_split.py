@@ -5,8 +5,11 @@ sub-blocks to hold column blocks) and a tall matrix over groups of 4, one of the
 ((1, 2, 3, 5)), and keeps two whole-matrix NS devices. References: single-device Muon (``optax`` on the full
 arrays), the core's numpy scheme ``ragged.muon.split_newton_schulz_reference`` in float64, the core's load and
 transfer plans. The split adds the Gram matrix's inner products in 4 partial sums, so it is not bit for bit
-single-device Muon: tolerance ``rtol 1e-5, atol 1e-6`` on the parameters after 3 steps (measured: 2.4e-7).
-Then the same in ``FSDP.train_step`` on llama-tiny (4 devices, two matrices split in pairs).
+single-device Muon, which computes in fp32: the bound is the spread of single-device Muon over orders of
+each matrix's rows and columns (test_optim._full_orders, jax_reference.assert_params_within_spread; measured
+on the parameters after 3 steps: 2.2e-8 against a spread of 3.1e-8, also under AVX2 and SSE4.2). Then
+the same in ``FSDP.train_step`` on llama-tiny (4 devices, two matrices split in pairs), within the spread of
+single-device training over row orders.
 """
 
 from __future__ import annotations
@@ -25,8 +28,19 @@ from jax_backend import make_mesh, on_shards
 from jax_backend.models import parallelize
 from jax_backend.optim import muon_plan, newton_schulz, scale_by_muon
 from jax_backend.optim._muon import MuonMatrix
-from tests.jax_backend.jax_reference import rel_err, train_fsdp, train_reference
-from tests.jax_backend.test_optim import _fulls, _muon, _run_full, _run_sharded, _tiny
+from tests.jax_backend.jax_reference import (
+    assert_params_within_spread,
+    assert_within_spread,
+    train_fsdp,
+)
+from tests.jax_backend.test_optim import (
+    _full_orders,
+    _fulls,
+    _muon,
+    _run_sharded,
+    _tiny,
+    tiny_muon_references,
+)
 
 WORLD = 6
 SPECS = (("w_in", (64, 16), "rows:1"), ("norm", (24,), "element"), ("w_small", (16, 32), "rows:1"),
@@ -58,10 +72,10 @@ def test_the_case_splits_a_wide_and_a_tall_matrix_and_keeps_whole_ns_devices():
 
 def test_split_muon_equals_single_device_muon_and_overlap_equals_sequential():
     params, grads, runs = _split_runs()
-    want = _run_full(_muon(), params, grads)
+    want, orders = _full_orders(_muon(), params, grads)
     (seq, _), (ovl, _) = runs[None], runs[2]
+    assert_params_within_spread(seq, want, orders)
     for n in params:
-        np.testing.assert_allclose(np.asarray(seq[n]), np.asarray(want[n]), rtol=1e-5, atol=1e-6, err_msg=n)
         np.testing.assert_array_equal(np.asarray(ovl[n]), np.asarray(seq[n]), err_msg=n)
         assert not np.array_equal(np.asarray(seq[n]), np.asarray(params[n])), f"{n} did not move"
 
@@ -174,15 +188,18 @@ def test_llama3_8b_layers_plan_within_ten_percent(world):
 
 def test_fsdp_train_step_with_split_muon_matches_single_device():
     """llama-tiny in ``FSDP.train_step`` over 4 devices; ``max_imbalance=1.0`` splits two matrices in pairs
-    (the core: whole-matrix NS devices reach 1.008 there): the losses equal single-device Muon's within
-    1e-4."""
+    (the core: whole-matrix NS devices reach 1.008 there): losses and parameters within the spread of
+    single-device Muon over row orders (test_optim.tiny_muon_references, jax_reference.assert_within_spread;
+    measured parameters 1.8e-6 against a spread of 2.0e-6, losses 0; a split group's norm of one member's
+    rows only: parameters 2.6e-2, losses 1.1e-4, which the earlier bound of 1e-4 on the losses only
+    caught by 10%)."""
     model, batches = _tiny()
     tiled = lambda n, s: ragged.quant.tile_granularity(s)
     fsdp = parallelize(model, make_mesh((4,), ("fsdp",)), granularity=tiled)
     plan = muon_plan(fsdp.layouts, fsdp.axis, max_imbalance=1.0)
     split = [m for ms in plan.matrices.values() for m in ms if len(m.group) > 1]
     assert [m.group for m in split] == [(0, 1), (2, 3)], split
-    losses, _ = train_fsdp(fsdp, model, batches, on_shards(_muon(plan)))
-    ref, _ = train_reference(model, batches, opt=_muon())
+    losses, params = train_fsdp(fsdp, model, batches, on_shards(_muon(plan)))
     assert losses[-1] < losses[0] - 0.05, losses
-    assert rel_err(losses, ref) <= 1e-4, (losses, ref)
+    reference, *others = tiny_muon_references()  # test_optim's, once per session
+    assert_within_spread(losses, params, reference, others)
