@@ -18,12 +18,14 @@ Each case compiles the EP step and the reference (40 s, up to 3 minutes on the l
 model's tensors are plain matrices, and torch's test runs both), Muon on both. Lower ``max_imbalance``
 splits every matrix (1.0: 44 groups), whose ring collectives took XLA:CPU 11 minutes to compile.
 
-Bounds: as the torch EP test (tests/torch_backend/test_moe_optim.py). Muon 1e-4 (gradients summed in
-another order, passed on by Newton-Schulz at about their relative size; measured 6.2e-6 gpt-oss-tiny,
-5.2e-6 mixtral-tiny with splits). 8-bit Adam 2e-3: that rounding can move a moment across a code's
-threshold, one code step of an element's step of lr = 1e-2 is ~2e-4 of a tensor's norm (measured 1.8e-4);
-a tile other than the single-device one moves every element of it. Losses 1e-5 (test_expert_parallel.py's
-RTOL; measured 8.6e-8).
+Bounds: both optimizers compute in fp32, so the spread of the single-device reference over
+``SPREAD_ORDERS`` other summation orders of the same training (test_expert_parallel.reordered: the device
+batches and their rows in another order; ``tests.parity.assert_within_spread``), on losses and on the
+worst tensor's relative error. 8-bit Adam's orders often give the reference's losses bit for bit while a
+code that flips moves its parameters, so its losses are bounded by what the orders move at all
+(``tests.parity.floored_by``). Measured parameters 0.80 of the spread (8-bit Adam, 1.8e-4), 0.86 and
+0.83 (Muon, gpt-oss-tiny and mixtral-tiny, 5e-6); losses 0 (8-bit Adam), 0.0 and 1.0 (Muon: one of the
+orders gives the run's losses bit for bit).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ import ragged.muon
 import ragged.quant
 from jax_backend.optim import adamw8bit, muon, muon_plan, shard_tiles
 from tests.jax_backend import test_expert_parallel as T
-from tests.jax_backend.jax_reference import rel_err
+from tests.jax_backend.jax_reference import SPREAD_ORDERS, params_distance, rel_err
+from tests.parity import assert_within_spread, floored_by
 
-EP, FSDP, MUON_RTOL, ADAM8BIT_RTOL = 2, 4, 1e-4, 2e-3
+EP, FSDP = 2, 4
 
 
 def tiles(_name: str, shape: tuple[int, ...]):
@@ -52,24 +55,30 @@ def muon_opt(plan=None):
     return muon(0.02, weight_decay=0.1, adamw_learning_rate=T.LR, plan=plan)
 
 
-def assert_equal_training(name: str, full, on_shards_opt, granularity, rtol: float) -> None:
+def assert_equal_training(name: str, full, on_shards_opt, granularity, losses_floored: bool) -> dict:
+    """EP training with ``on_shards(on_shards_opt(fsdp))`` within the spread of single-device ``full``;
+    returns the distances."""
     model = T.build(name)
     data = T.batches(model.config.vocab_size, FSDP)
-    want_losses, history = T.train_reference(model, data, opt=full)
+    (want_losses, history), *orders = [T.train_reference(model, d, opt=full) for d in
+                                       [data, *(T.reordered(data, seed) for seed in range(SPREAD_ORDERS))]]
     losses, params, _ = T.train_ep(T.build(name), data, EP, FSDP, 1, on_shards_opt=on_shards_opt,
                                    granularity=granularity)
-    np.testing.assert_allclose(losses, want_losses, rtol=T.RTOL)
     want = history[-1]
-    errors = {k: rel_err(params[k], want[k]) for k in want}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= rtol, f"{worst}: relative error {errors[worst]:.3g} > {rtol}"
+
+    def distances(run_losses, run_params) -> dict:
+        return {"loss": rel_err(run_losses, want_losses), "params": params_distance(run_params, want)}
+
+    spread = [distances(o[0], o[1][-1]) for o in orders]
+    d = assert_within_spread(distances(losses, params), floored_by(spread) if losses_floored else spread)
     moved = [rel_err(want[k], history[0][k]) for k in want]
-    assert np.median(moved) > 10 * rtol, moved  # the parameters moved well beyond the bound
+    assert np.median(moved) > 10 * d["params_spread"], (moved, d)  # the parameters moved well beyond it
+    return d
 
 
 def test_adamw8bit_under_expert_parallelism_equals_single_device():
     assert_equal_training("gpt-oss-tiny", adam8bit(),
-                          lambda fsdp: adam8bit(shard_tiles(fsdp.layouts, fsdp.axis)), tiles, ADAM8BIT_RTOL)
+                          lambda fsdp: adam8bit(shard_tiles(fsdp.layouts, fsdp.axis)), tiles, True)
 
 
 @pytest.mark.parametrize("name,max_imbalance", [("gpt-oss-tiny", None), ("mixtral-tiny", 1.005)])
@@ -80,7 +89,7 @@ def test_muon_under_expert_parallelism_equals_single_device(name, max_imbalance)
         plans.append(muon_plan(fsdp.layouts, fsdp.axis, max_imbalance=max_imbalance))
         return muon_opt(plans[-1])
 
-    assert_equal_training(name, muon_opt(), plan, "rows:1", MUON_RTOL)
+    assert_equal_training(name, muon_opt(), plan, "rows:1", False)
     matrices = [m for ms in plans[0].matrices.values() for m in ms]
     experts = [m.name for m in matrices if ".experts." in m.name]
     assert experts and not any("bias" in n for n in experts), experts  # biases get AdamW
