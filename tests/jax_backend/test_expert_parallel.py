@@ -33,9 +33,13 @@ to bf16, and a token whose top-k gap is below bf16 rounding changes experts. The
 policy reference over ``SPREAD_ORDERS`` orders that sum the devices' bf16 gradients in bf16 (each partial
 sum rounded to bf16, as the one GEMM rounds; the device batches, and each one's rows, in another order:
 ``reordered``), the worst tensor's distance (``tests.parity.assert_within_spread``), as on torch
-(tests/torch_backend/test_fsdp_moe.py). Measured (mixtral-tiny / gpt-oss-tiny, (2, 4) then (2, 2) x 2):
-parameters 0.10, 0.22 / 1.10, 0.54 of the spread (the tokens that bf16 moves to another expert are most of
-both), losses 0.04, 0.01 / 0.14, 0.07.
+(tests/torch_backend/test_fsdp_moe.py), and all parameters as one vector's (``whole_model``): the worst
+tensor spreads by the tokens that bf16 moves to another expert, which hides a bug that moves every expert
+a little. Measured (mixtral-tiny / gpt-oss-tiny, (2, 4) then (2, 2) x 2), of the spread: worst tensor
+0.22, 0.32 / 1.09, 0.54; whole model 0.25, 0.30 / 0.52, 0.32; losses 0.15, 0.02 / 0.10, 0.04. With the
+last EP rank's gradient dropped (experiments/bug_injection.py) gpt-oss-tiny's whole model is 12 and 11
+times its spread; mixtral-tiny's 3.8 and 3.6, inside the margin (its orders move tokens between experts
+far more), so that bug is caught here on gpt-oss-tiny and by the float64 cases on both.
 
 Capacity: with ``capacity_factor=0.5``, each device's dropped (token, expert) assignments per MoE layer
 equal a numpy count (``sum_e max(0, n_e - C)``) over the routing of a single-device forward that drops the
@@ -321,7 +325,7 @@ def test_bf16_policy_within_the_spread_of_the_policy_reference(name, ep, fsdp, r
                                  mp_policy=MixedPrecisionPolicy(jnp.bfloat16, jnp.float32))
     assert all(v.dtype == np.float32 for v in params.values())  # masters stay fp32
     assert_within_spread(losses, params, (policy_ref[0], policy_ref[1][-1]),
-                         [(o[0], o[1][-1]) for o in orders])
+                         [(o[0], o[1][-1]) for o in orders], whole_model=True)
 
 
 def reordered(data: np.ndarray, seed: int) -> np.ndarray:
