@@ -28,8 +28,8 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The suite runs as two pytest processes, one per core: the in-process JAX tests and the rest (measured together on the
-# 2-core machine after the trainer integrations landed: 26.5 and 27.5 minutes, over the 15-minute target). Each prints
+# The suite runs as two pytest processes, one per core: the in-process JAX tests and the rest (measured together on an
+# idle 2-core machine: 22.6 and 21.9 minutes, over the 15-minute target; the JAX half alone takes 15.5). Each prints
 # its slowest tests, for balancing. The JAX half's output is printed after the other's.
 JAX_HALF := tests/jax_backend
 test: $(STAMP) lint

@@ -43,14 +43,33 @@ def leave_and_exit(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def spawn_ranks(world: int, worker: Callable[..., object], *args: object) -> list:
-    """Run ``worker(rank, workdir, *args)`` in ``world`` spawned processes (CUDA cannot be forked) sharing
-    a fresh ``workdir`` to join by (``rendezvous``); returns what each rank's worker returned, in rank
-    order. ``worker`` and ``args`` must pickle (a module-level function); each rank leaves through
-    ``leave_and_exit`` after sending its result."""
-    import torch.multiprocessing as mp
+# What a CPU launch's forkserver imports once, before it forks the ranks: each rank would otherwise import
+# torch afresh, several seconds apiece on 2 cores. $RAGGED_WORKER_PRELOAD adds modules (space-separated): the
+# test suite's (tests/conftest.py) and experiments/bug_injection.py's, which patches the runtime in every
+# worker. One process has one forkserver, started by its first launch: every launcher takes this list.
+WORKER_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch_backend"]
+WORKER_PRELOAD_ENV = "RAGGED_WORKER_PRELOAD"
 
-    ctx = mp.get_context("spawn")
+
+def worker_context(device: str = "cpu"):
+    """The multiprocessing context of a launch's ranks: a forkserver that preloads ``WORKER_PRELOAD`` on
+    CPU (the server is a fresh process, so a parent holding jax or threads is never forked), ``spawn`` on
+    CUDA (a CUDA runtime must not be inherited by a fork)."""
+    import multiprocessing as mp
+
+    if device == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*WORKER_PRELOAD, *os.environ.get(WORKER_PRELOAD_ENV, "").split()])
+    return ctx
+
+
+def spawn_ranks(world: int, worker: Callable[..., object], *args: object, device: str = "cpu") -> list:
+    """Run ``worker(rank, workdir, *args)`` in ``world`` fresh processes (``worker_context(device)``)
+    sharing a fresh ``workdir`` to join by (``rendezvous``); returns what each rank's worker returned, in
+    rank order. ``worker`` and ``args`` must pickle (a module-level function); each rank leaves through
+    ``leave_and_exit`` after sending its result."""
+    ctx = worker_context(device)
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as workdir:
         procs = [ctx.Process(target=_rank_main, args=(worker, r, workdir, queue, args)) for r in range(world)]

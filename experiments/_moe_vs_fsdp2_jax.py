@@ -54,7 +54,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from experiments.jax_vs_gspmd import DEVICES, gspmd_spec, summarize, token_batches, train_round_robin  # noqa: E402
 from jax_backend import make_mesh  # noqa: E402
-from jax_backend._names import fqn  # noqa: E402
 from jax_backend.models import model_params  # noqa: E402
 from jax_backend.models.expert_parallel import parallelize_moe  # noqa: E402
 from jax_backend.models.moe import ExpertList, MoE, MoEDecoder, load_balancing_loss, moe_loss, route_tokens  # noqa: E402
@@ -117,6 +116,11 @@ def gspmd_model(model: MoEDecoder, mesh: Mesh) -> MoEDecoder:
     return out
 
 
+def dotted(path) -> str:
+    """A pytree key path as a dotted name (``layers.1.feed_forward.experts.w1.value``)."""
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
 def expert_axis_spec(path: str, shape: tuple[int, ...], fsdp: int) -> P:
     """Experts: dim 0 on ``ep``, their largest other dim ``fsdp`` divides on ``fsdp``. Everything else:
     ``gspmd_spec``'s largest dim ``ep * fsdp`` divides, over ``(ep, fsdp)`` jointly."""
@@ -132,7 +136,7 @@ def prepare_gspmd(model: MoEDecoder, mesh: Mesh, loss_fn, batches, opt) -> dict:
     graphdef, params = nnx.split(gspmd_model(model, mesh), nnx.Param)
     fsdp = mesh.shape["fsdp"]
     shardings = jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, expert_axis_spec(fqn(path), x.shape, fsdp)), params)
+        lambda path, x: NamedSharding(mesh, expert_axis_spec(dotted(path), x.shape, fsdp)), params)
     params = jax.device_put(params, shardings)
     # Moments get their parameter's sharding; the step count is replicated.
     state_shardings = optax.tree_utils.tree_map_params(

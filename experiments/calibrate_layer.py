@@ -121,7 +121,7 @@ def _worker(rank: int, workdir: str, args: argparse.Namespace) -> dict[str, floa
 def calibration(args: argparse.Namespace) -> dict:
     """Launch ``--world`` ranks, measure, and return the calibration file's content (rank 0's times),
     checked by the simulator's own ``Calibration``."""
-    times = spawn_ranks(args.world, _worker, args)
+    times = spawn_ranks(args.world, _worker, args, device=args.device)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     return Calibration(
         source=f"experiments.calibrate_layer on {args.world} x {device}, {datetime.date.today().isoformat()}",

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from experiments._distributed import leave_and_exit, rendezvous
+from experiments._distributed import rendezvous, spawn_ranks
 from experiments._xla import host_devices_flags
 
 if TYPE_CHECKING:  # torch is imported where it runs: the JAX worker never loads it
@@ -93,8 +93,8 @@ def sharded_llama(mesh: DeviceMesh) -> torch.nn.Module:
     return parallelize(Llama(), mesh)
 
 
-def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: str,
-                  build: Callable[[DeviceMesh], torch.nn.Module]) -> None:
+def _torch_worker(rank: int, rendezvous_dir: str, world_size: int, steps: int, init: str, workdir: str,
+                  build: Callable[[DeviceMesh], torch.nn.Module]) -> list[float]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -103,7 +103,7 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
     from torch_backend.models import cross_entropy
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=rendezvous(workdir), rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=rendezvous(rendezvous_dir), rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
     model = build(mesh)
     load_neutral_checkpoint(init, model)  # full tensors in, each rank keeps its ragged shards
@@ -119,21 +119,16 @@ def _torch_worker(rank: int, world_size: int, steps: int, init: str, workdir: st
         dist.all_reduce(global_loss := loss.detach().clone())
         losses.append(global_loss.item() / world_size)
     save_neutral_checkpoint(Path(workdir) / "torch_final", model)
-    if rank == 0:
-        (Path(workdir) / "torch_losses.json").write_text(json.dumps(losses))
-    leave_and_exit()  # never finalizes with gloo threads alive (see experiments._distributed)
+    return losses
 
 
 def torch_fsdp(world_size: int, steps: int, init: Path, workdir: Path,
                build: Callable[[DeviceMesh], torch.nn.Module] = sharded_llama) -> list[float]:
-    """Train on ``world_size`` spawned gloo processes; ``build(mesh)`` returns the model with
-    ``fully_shard`` applied. Spawned workers import ``build`` by name: it must live in a module (a file on
-    ``sys.path``), not in a notebook cell. Writes ``workdir/torch_final``; returns the losses."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_torch_worker, args=(world_size, steps, str(init), str(workdir), build),
-                       nprocs=world_size, start_method="spawn")
-    return json.loads((workdir / "torch_losses.json").read_text())
+    """Train on ``world_size`` gloo processes (``experiments._distributed.spawn_ranks``); ``build(mesh)``
+    returns the model with ``fully_shard`` applied. The workers import ``build`` by name: it must live in
+    a module (a file on ``sys.path``), not in a notebook cell. Writes ``workdir/torch_final``; returns the
+    losses."""
+    return spawn_ranks(world_size, _torch_worker, world_size, steps, str(init), str(workdir), build)[0]
 
 
 # ----- JAX (in its own process) -------------------------------------------------------------------

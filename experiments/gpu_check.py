@@ -313,7 +313,7 @@ def stage_muon(report: Report, device: str = "cuda", shapes: dict = MUON_SHAPES)
 
     from experiments._distributed import spawn_ranks
 
-    ranks = spawn_ranks(2, _muon_rank, device, shapes)
+    ranks = spawn_ranks(2, _muon_rank, device, shapes, device=device)
     params, grads = _muon_inputs(shapes)
     single = _muon_train(params, grads, lambda n, t: t.clone().to(device), overlap=True)  # local NS
     for rank, arrays in enumerate(ranks):

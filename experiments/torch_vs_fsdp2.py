@@ -364,7 +364,7 @@ def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: in
 def _launch(name: str, mode: str, kind: str, warmup: int, steps: int) -> list[dict]:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the workers: big frees leave the RSS
     setup = dict(WORLD=WORLD, TP=TP, CONFIG=CONFIG, BATCH=BATCH, SEQ=SEQ, DEVICE=DEVICE, DTYPE=DTYPE)
-    return spawn_ranks(WORLD, _worker, name, mode, kind, warmup, steps, setup)
+    return spawn_ranks(WORLD, _worker, name, mode, kind, warmup, steps, setup, device=DEVICE)
 
 
 def _summary(timing: list[dict], memory: dict[str, list[dict]]) -> dict:

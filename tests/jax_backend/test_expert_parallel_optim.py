@@ -13,7 +13,7 @@ the optimizer on the unit shards (``on_shards``) against the same optimizer on t
   embedding) split groups; a fused stack is one matrix per expert and its biases get AdamW, in both runs
   (``ragged.muon.muon_matrices``).
 
-Each case compiles the EP step and the reference (40 s, up to 3 minutes on the loaded 2-core machine), so
+Each case compiles the EP step and the reference (15 to 25 s on an idle 2-core machine), so
 8-bit Adam runs on gpt-oss-tiny only (fused stacks, one-row tiles, EP ranks without tokens; the per-expert
 model's tensors are plain matrices, and torch's test runs both), Muon on both. Lower ``max_imbalance``
 splits every matrix (1.0: 44 groups), whose ring collectives took XLA:CPU 11 minutes to compile.

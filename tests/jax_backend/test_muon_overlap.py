@@ -13,8 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ragged
-from jax_backend import make_mesh
-from jax_backend._compat import shard_map
+from jax_backend import make_mesh, shard_map
 from jax_backend.optim import ScaleByMuonState, muon, muon_plan, newton_schulz, scale_by_muon
 from tests.jax_backend.test_optim import MUON_SPECS, _fulls, _muon, _run_full, _run_sharded
 

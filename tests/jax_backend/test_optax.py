@@ -30,9 +30,9 @@ from jax_backend import (
     global_norm,
     make_mesh,
     on_shards,
+    shard_map,
     shard_model,
 )
-from jax_backend._compat import shard_map
 from jax_backend._names import fqn
 from jax_backend.optim import adamw8bit, shard_tiles
 from tests.jax_backend.any_models import BLOCKS, batches, mlp_apply, mlp_loss, mlp_params, train_reference

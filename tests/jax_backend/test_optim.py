@@ -18,8 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import ragged
-from jax_backend import full_params, make_mesh, on_shards, shard_params
-from jax_backend._compat import shard_map
+from jax_backend import full_params, make_mesh, on_shards, shard_map, shard_params
 from jax_backend.models import parallelize
 from jax_backend.optim import adamw8bit, muon, muon_plan, newton_schulz, shard_tiles
 from tests.jax_backend.jax_reference import (

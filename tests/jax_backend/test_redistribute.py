@@ -10,8 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import ragged
 import ragged.models
-from jax_backend import make_mesh
-from jax_backend._compat import shard_map
+from jax_backend import make_mesh, shard_map
 from jax_backend._redistribute import gather_rows, gather_tensor, scatter_rows, scatter_tensor
 from ragged import plan_model
 

@@ -14,7 +14,6 @@ would abort (SIGABRT, "terminate called without an active exception").
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import sys
@@ -23,15 +22,12 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
+from experiments._distributed import worker_context
+
 Results = dict[str, object]
 # Launch timeouts are sized for an idle 2-core machine; tools that check numerics, not speed, on a loaded
 # one (experiments/bug_injection.py, experiments/variance_check.py) multiply them by this.
 TIMEOUT_SCALE_ENV = "RAGGED_LAUNCH_TIMEOUT_SCALE"
-# What the forkserver imports once for every worker; $RAGGED_WORKER_PRELOAD adds modules (space-separated:
-# experiments/bug_injection.py's, which patches the runtime in every worker). transformers' modeling code
-# (_hf_preload) too: about 5 s per worker otherwise, which test_fsdp_tp's 14 workers paid (153 s -> 115 s).
-_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch_backend",
-            "tests.torch_backend._hf_preload", *os.environ.get("RAGGED_WORKER_PRELOAD", "").split()]
 
 
 def _load(path: str):
@@ -70,17 +66,6 @@ def _worker(
     os._exit(0)
 
 
-def _context():
-    """A forkserver whose server (a fresh process without jax) imports torch and torch_backend once.
-
-    Workers then fork from that server in well under a second instead of importing torch again
-    (several seconds each on 2 cores); pytest's own process, which may hold jax, is never forked.
-    """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
 def collect(path: str, fn: str, world: int, *args: object, answers: int | None = None,
             timeout_s: float = 90.0, pg_timeout_s: float = 20.0) -> dict[int, Results]:
     """Run ``fn(rank, world, *args)`` of the module at ``path`` on ``world`` gloo workers.
@@ -93,7 +78,7 @@ def collect(path: str, fn: str, world: int, *args: object, answers: int | None =
         ``{rank: result}`` for the ranks that answered.
     """
     timeout_s *= float(os.environ.get(TIMEOUT_SCALE_ENV, "1"))
-    ctx = _context()
+    ctx = worker_context()  # a forkserver: workers fork from it, never from pytest, which may hold jax
     out = ctx.Queue()
     results: dict[int, Results] = {}
     with tempfile.TemporaryDirectory() as workdir:
