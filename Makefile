@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # The suite runs as two pytest processes, one per core: the in-process JAX tests and the rest (measured together on an
-# idle 2-core machine: 22.6 and 21.9 minutes, over the 15-minute target; the JAX half alone takes 15.5). Each prints
+# idle 2-core machine, .ci/run on a fresh clone: 19.3 and 19.0 minutes, over the 15-minute target). Each prints
 # its slowest tests, for balancing. The JAX half's output is printed after the other's.
 JAX_HALF := tests/jax_backend
 test: $(STAMP) lint
