@@ -2,10 +2,10 @@
 
 A round runs the selected test files in one pytest process, then ``python -m experiments.demo`` (what
 ``make demo`` runs). The multi-process test files are found by what they launch (gloo workers through
-``tests/torch_backend/_dist.py``, torchrun, JAX processes, the demo, the notebook kernel); the selection is
-printed and recorded, so a file the patterns miss shows. A failure is a failed or erroring test (its
-node id and the first lines of its message, from pytest's JUnit XML), a pytest process that ends
-abnormally after its tests passed (a crash at exit, e.g. SIGABRT), or a demo that exits non-zero.
+``tests/torch_backend/_dist.py``, torchrun, JAX processes, the demo, the notebook kernel, the benchmarks'
+ranks); the selection is printed and recorded, so a file the patterns miss shows. A failure is a failed or
+erroring test (its node id and the first lines of its message, from pytest's JUnit XML), a pytest process
+that ends abnormally after its tests passed (a crash at exit, e.g. SIGABRT), or a demo that exits non-zero.
 Nothing is retried.
 
     python -m experiments.flake_loop     # 20 rounds; writes experiments/results/flake_loop.{md,json}
@@ -31,9 +31,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
-# What a test file contains when it starts more than one process.
+# What a test file contains when it starts more than one process (the benchmarks' launches go through
+# experiments._distributed.spawn_ranks).
 LAUNCHES = re.compile(r"\b_dist\b|_train_launch|experiments\.demo|nbclient|multihost_worker|"
-                      r"torch\.distributed\.run|start_processes")
+                      r"torch\.distributed\.run|start_processes|spawn_ranks|torch_vs_fsdp2|moe_vs_fsdp2|"
+                      r"calibrate_layer|gpu_check")
 MESSAGE_LINES = 12
 
 
