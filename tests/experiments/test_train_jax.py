@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,15 +15,22 @@ from tests.experiments._train_launch import LOSS_RTOL, ROOT, TINY, env, finish, 
 STEPS = 4
 
 
+def train(run: Path, devices: int, extra: list[str], fail_after: int | None = None) -> dict[int, float]:
+    """One JAX process of ``experiments.train`` on ``devices`` host devices, checkpointing into ``run``
+    (``extra``: its save interval and the rest); killed after step ``fail_after`` if given. Its log's
+    losses."""
+    failing = [] if fail_after is None else ["--fail-after-step", str(fail_after)]
+    done = subprocess.run([sys.executable, "-m", "experiments.train", "--stack", "jax", *TINY, "--steps",
+                           str(STEPS), "--checkpoint-dir", str(run), *extra, *failing], cwd=ROOT,
+                          env=env(devices), capture_output=True, text=True, timeout=240)
+    assert (done.returncode == 0) == (fail_after is None), done.stdout[-3000:] + done.stderr[-3000:]
+    return losses(run / "log.jsonl")
+
+
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory) -> dict[int, float]:
     """The reference of both multi-device tests: the same run on one process with one device."""
-    run = tmp_path_factory.mktemp("one")
-    done = subprocess.run([sys.executable, "-m", "experiments.train", "--stack", "jax", *TINY, "--steps",
-                           str(STEPS), "--checkpoint-dir", str(run), "--save-interval", "2"], cwd=ROOT,
-                          env=env(1), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return losses(run / "log.jsonl")
+    return train(tmp_path_factory.mktemp("one"), 1, ["--save-interval", "2"])
 
 
 def test_two_jax_processes_match_one_and_resume_bit_exactly(tmp_path, one_device):
@@ -47,20 +55,10 @@ def test_tensor_parallel_run_matches_one_device_and_resumes_bit_exactly(tmp_path
     step 3 (checkpoints after steps 0 and 1) and relaunched: steps 2 and 3 bit-identical to the first launch
     (the restored optimizer state is split over the tensor axis like the buffers). Bound: LOSS_RTOL, the
     data-parallel summation order; the row-parallel partial sums round the logits far less."""
-    def train(devices: int, extra: list[str], name: str, fail_after: int | None = None) -> dict[int, float]:
-        run = tmp_path / name
-        failing = [] if fail_after is None else ["--fail-after-step", str(fail_after)]
-        done = subprocess.run([sys.executable, "-m", "experiments.train", "--stack", "jax", *TINY, "--steps",
-                               str(STEPS), "--checkpoint-dir", str(run), "--save-interval", "2", *extra,
-                               *failing], cwd=ROOT, env=env(devices), capture_output=True, text=True,
-                              timeout=240)
-        assert (done.returncode == 0) == (fail_after is None), done.stdout[-3000:] + done.stderr[-3000:]
-        return losses(run / "log.jsonl")
-
-    tp = ["--tp", "2", "--hsdp", "2"]
-    before = train(8, tp, "tp", fail_after=3)
+    tp = ["--save-interval", "2", "--tp", "2", "--hsdp", "2"]
+    before = train(tmp_path, 8, tp, fail_after=3)
     assert sorted(before) == list(range(STEPS))
-    got = train(8, tp, "tp")
+    got = train(tmp_path, 8, tp)
     assert [got[s] for s in (2, 3)] == [before[s] for s in (2, 3)]  # resumed bit for bit
     np.testing.assert_allclose([got[s] for s in range(STEPS)], [one_device[s] for s in range(STEPS)],
                                rtol=LOSS_RTOL)
@@ -72,20 +70,11 @@ def test_resumes_from_an_orbax_checkpoint_written_on_another_mesh(tmp_path):
     Orbax finishes a save before it starts the next), relaunched on 2 devices, whose units are planned
     anew: the resumed steps equal the first launch's (the uninterrupted run) within LOSS_RTOL, the
     summation order of another device count."""
-    run = tmp_path / "run"
-
-    def train(devices: int, fail_after: int | None = None) -> None:
-        failing = [] if fail_after is None else ["--fail-after-step", str(fail_after)]
-        done = subprocess.run([sys.executable, "-m", "experiments.train", "--stack", "jax", *TINY, "--steps",
-                               str(STEPS), "--checkpoint-dir", str(run), "--save-interval", "1",
-                               "--checkpoint-format", "orbax", *failing], cwd=ROOT, env=env(devices),
-                              capture_output=True, text=True, timeout=240)
-        assert (done.returncode == 0) == (fail_after is None), done.stdout[-3000:] + done.stderr[-3000:]
-
-    train(4, fail_after=3)
+    run, orbax = tmp_path / "run", ["--save-interval", "1", "--checkpoint-format", "orbax"]
+    train(run, 4, orbax, fail_after=3)
     first = {r["step"]: r["loss"] for r in log_records(run / "log.jsonl")}
     assert sorted(first) == list(range(STEPS))
-    train(2)
+    train(run, 2, orbax)
     resumed = log_records(run / "log.jsonl")[STEPS:]
     steps = [r["step"] for r in resumed]
     assert steps in ([2, 3], [3]), steps  # from the checkpoint after step 1 or 2, not from scratch

@@ -175,12 +175,11 @@ def permuted_rows(batches: np.ndarray, seed: int) -> np.ndarray:
 
 
 def whole_model_distance(got: dict, want: dict) -> float:
-    """All parameters as one vector: its relative error (a tensor that moves little beside the others, a
-    small part of it, weighs as little as it is)."""
+    """``rel_err`` of all parameters as one vector, where each tensor weighs as much as its share of the
+    model (the worst tensor's distance weighs a small tensor like the whole)."""
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
-    squares = [np.sum((np.asarray(got[k], np.float64) - np.asarray(want[k], np.float64)) ** 2) for k in want]
-    norms = [np.sum(np.asarray(want[k], np.float64) ** 2) for k in want]
-    return float(np.sqrt(sum(squares) / max(sum(norms), 1e-60)))
+    return rel_err(np.concatenate([np.ravel(got[k]).astype(np.float64) for k in want]),
+                   np.concatenate([np.ravel(want[k]).astype(np.float64) for k in want]))
 
 
 def assert_within_spread(losses, params: dict, reference: tuple, orders: list[tuple],
