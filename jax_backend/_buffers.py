@@ -10,9 +10,10 @@ planned with.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -112,12 +113,16 @@ def as_bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def _slices(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+def check_buffer(buffer: jax.Array, layout: Layout) -> None:
     if buffer.shape != (layout.total_numel,):
         raise LayoutMismatchError(
             f"unit {layout.name!r}: buffer has shape {buffer.shape}, expected ({layout.total_numel},) "
             f"= world_size {layout.world_size} x S {layout.shard_size}"
         )
+
+
+def _slices(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+    check_buffer(buffer, layout)
     return {t.name: buffer[t.offset:t.end].reshape(t.shape) for t in layout.tensors}
 
 
@@ -171,18 +176,13 @@ def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mes
     check_mesh(mesh, layouts, axis)
     check_params(params, layouts)
     params = onto_mesh(dict(params), mesh)
+    dtypes = tuple(jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts)
+    bits = tuple(tuple(as_bits(jnp.asarray(params[t.name], d)) for t in lay.tensors)
+                 for lay, d in zip(layouts, dtypes))
     sharding = buffer_sharding(mesh, axis)
-    shardings = {lay.name: sharding for lay in layouts}
-    dtypes = {lay.name: jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts}
-    # Three steps, so that XLA cannot fuse the reinterpretations into the data movement: take the bits,
-    # pack them into sharded buffers, then reinterpret the buffers shard by shard.
-    bits = {t.name: as_bits(jnp.asarray(params[t.name], dtypes[lay.name]))
-            for lay in layouts for t in lay.tensors}
-    pack = jax.jit(lambda p: {lay.name: pack_unit(p, lay) for lay in layouts}, out_shardings=shardings)
-    as_dtype = jax.jit(lambda b: {k: lax.bitcast_convert_type(v, dtypes[k]) if v.dtype != dtypes[k] else v
-                                  for k, v in b.items()}, out_shardings=shardings)
-    out = as_dtype(pack(bits))
-    return {lay.name: out[lay.name] for lay in layouts}  # in unit order (jit sorts dict keys)
+    pack = sharded_program(_pack_bits, (tuple(map(anonymous, layouts)),), sharding)
+    out = sharded_program(from_bits, (dtypes,), sharding)(pack(bits))
+    return {lay.name: buffer for lay, buffer in zip(layouts, out)}
 
 
 def full_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> dict[str, jax.Array]:
@@ -190,11 +190,47 @@ def full_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> 
     missing = [layout.name for layout in layouts if layout.name not in buffers]
     if missing:
         raise LayoutMismatchError(f"buffers miss the units {missing} (have {list(buffers)})")
-    def slices(b: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-        return {k: v for lay in layouts for k, v in unpack_unit(as_bits(b[lay.name]), lay).items()}
+    for lay in layouts:
+        check_buffer(buffers[lay.name], lay)  # here: the programs' layouts have no names
+    bits = _unpacked(tuple(buffers[lay.name] for lay in layouts), tuple(map(anonymous, layouts)))
+    dtypes = tuple(buffers[lay.name].dtype for lay in layouts for _ in lay.tensors)
+    names = [t.name for lay in layouts for t in lay.tensors]
+    return dict(zip(names, from_bits_program(sum(bits, ()), dtypes)))
 
 
-    dtypes = {t.name: buffers[lay.name].dtype for lay in layouts for t in lay.tensors}
-    out = jax.jit(slices)({lay.name: buffers[lay.name] for lay in layouts})  # jit returns sorted keys
-    return {k: out[k] if out[k].dtype == d else lax.bitcast_convert_type(out[k], d) for k, d in dtypes.items()
-            }
+# The conversions' programs, compiled for ``anonymous`` layouts: units of one structure (a model's decoder
+# layers, the same model planned again) share one program, and converting again (a checkpoint every N
+# steps, an evaluation) compiles nothing. Floats move as their bits (``as_bits``), reinterpreted by a
+# program of their own, so that XLA cannot fuse the reinterpretation into the data movement.
+@functools.lru_cache(maxsize=4096)
+def anonymous(layout: Layout) -> Layout:
+    """``layout`` with the unit and its tensors named by position (``"0"``, ``"1"``, ...)."""
+    return dataclasses.replace(layout, name="", tensors=tuple(
+        dataclasses.replace(t, name=str(i)) for i, t in enumerate(layout.tensors)))
+
+
+def from_bits(arrays: tuple[jax.Array, ...], dtypes: tuple) -> tuple[jax.Array, ...]:
+    """The bits of ``as_bits`` reinterpreted as ``dtypes``."""
+    return tuple(x if x.dtype == d else lax.bitcast_convert_type(x, d) for x, d in zip(arrays, dtypes))
+
+
+@functools.lru_cache(maxsize=1024)
+def sharded_program(fn: Callable, static: tuple, sharding: NamedSharding) -> Callable:
+    """``fn(arrays, *static)`` jitted with every output on ``sharding``, compiled once per arguments."""
+    return jax.jit(lambda arrays: fn(arrays, *static), out_shardings=sharding)
+
+
+# full_params' reinterpretation: the outputs keep the slices' sharding
+from_bits_program = jax.jit(from_bits, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unpacked(buffers: tuple[jax.Array, ...],
+              layouts: tuple[Layout, ...]) -> tuple[tuple[jax.Array, ...], ...]:
+    """Each unit's tensors in Layout order (not its dict's: a pytree's keys are sorted), as their bits."""
+    units = (unpack_unit(as_bits(b), lay) for b, lay in zip(buffers, layouts))
+    return tuple(tuple(u[t.name] for t in lay.tensors) for u, lay in zip(units, layouts))
+
+
+def _pack_bits(bits: tuple[tuple[jax.Array, ...], ...], layouts: tuple[Layout, ...]) -> tuple[jax.Array, ...]:
+    return tuple(pack_unit({t.name: x for t, x in zip(lay.tensors, b)}, lay) for b, lay in zip(bits, layouts))

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_backend._buffers import Axis, LayoutMismatchError, full_params, shard_params
+from jax_backend._buffers import Axis, LayoutMismatchError, anonymous, full_params, shard_params
 from jax_backend._names import fqn
 from jax_backend._optax import full_optimizer_state, shard_optimizer_state
 from ragged import Layout
@@ -91,11 +91,12 @@ def _check_fsdp(fsdp: FSDP) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "mesh"))
-def unpack_unit(buffer: jax.Array, layout: Layout, mesh: Mesh) -> dict[str, jax.Array]:
-    """One unit's buffer -> ``{fqn: tensor}`` (``full_params``), each tensor spread on ``mesh``: one
-    program per unit and mesh, compiled once (a run saving every N steps reuses it)."""
+def unpack_unit(buffer: jax.Array, layout: Layout, mesh: Mesh) -> tuple[jax.Array, ...]:
+    """One unit's buffer -> its tensors in Layout order (``full_params``), each spread on ``mesh``: one
+    program per unit structure and mesh (``unpack_per_unit`` passes the ``anonymous`` layout), compiled
+    once (a run saving every N steps reuses it)."""
     tensors = full_params({layout.name: buffer}, [layout])
-    return {k: lax.with_sharding_constraint(v, spread(v.shape, mesh)) for k, v in tensors.items()}
+    return tuple(lax.with_sharding_constraint(tensors[t.name], spread(t.shape, mesh)) for t in layout.tensors)
 
 
 def unpack_per_unit(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> dict[str, jax.Array]:
@@ -103,7 +104,8 @@ def unpack_per_unit(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout])
     full."""
     out = {}
     for lay in layouts:
-        out.update(unpack_unit(buffers[lay.name], lay, buffers[lay.name].sharding.mesh))
+        tensors = unpack_unit(buffers[lay.name], anonymous(lay), buffers[lay.name].sharding.mesh)
+        out.update(zip((t.name for t in lay.tensors), tensors))
     return out
 
 

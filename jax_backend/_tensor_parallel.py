@@ -27,11 +27,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_backend._buffers import LayoutMismatchError, as_bits, check_mesh, check_params, onto_mesh, pack_unit
+from jax_backend._buffers import (
+    LayoutMismatchError,
+    as_bits,
+    check_mesh,
+    check_params,
+    from_bits,
+    from_bits_program,
+    onto_mesh,
+    pack_unit,
+    sharded_program,
+)
 from jax_backend._compat import shard_map
 from jax_backend._names import fqn
 from ragged import Layout
@@ -267,16 +276,13 @@ def shard_tp_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: 
     check_params({n: jax.ShapeDtypeStruct(tp.local_shape(n, np.shape(a)) if n in dims else np.shape(a),
                                           jnp.result_type(a)) for n, a in params.items()}, layouts)
     params = onto_mesh(dict(params), mesh)
+    dtypes = tuple(jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts)
+    bits = tuple(tuple(as_bits(jnp.asarray(params[t.name], d)) for t in lay.tensors)
+                 for lay, d in zip(layouts, dtypes))
     sharding = NamedSharding(mesh, P(tp.axis, axis))
-    shardings = {lay.name: sharding for lay in layouts}
-    dtypes = {lay.name: jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts}
-    bits = {t.name: as_bits(jnp.asarray(params[t.name], dtypes[lay.name]))
-            for lay in layouts for t in lay.tensors}
-    pack = jax.jit(lambda b: {lay.name: pack_tp_unit(b, lay, tp) for lay in layouts}, out_shardings=shardings)
-    as_dtype = jax.jit(lambda b: {k: lax.bitcast_convert_type(v, dtypes[k]) if v.dtype != dtypes[k] else v
-                                  for k, v in b.items()}, out_shardings=shardings)
-    out = as_dtype(pack(bits))
-    return {lay.name: out[lay.name] for lay in layouts}
+    pack = sharded_program(_pack_tp_bits, (tuple(layouts), tp), sharding)
+    out = sharded_program(from_bits, (dtypes,), sharding)(pack(bits))
+    return {lay.name: buffer for lay, buffer in zip(layouts, out)}
 
 
 def full_tp_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout],
@@ -285,9 +291,23 @@ def full_tp_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout],
     missing = [layout.name for layout in layouts if layout.name not in buffers]
     if missing:
         raise LayoutMismatchError(f"buffers miss the units {missing} (have {list(buffers)})")
-    dtypes = {t.name: buffers[lay.name].dtype for lay in layouts for t in lay.tensors}
-    out = jax.jit(lambda b: {k: v for lay in layouts
-                             for k, v in unpack_tp_rows(as_bits(b[lay.name]), lay, tp).items()})(
-        {lay.name: buffers[lay.name] for lay in layouts})
-    return {k: out[k] if out[k].dtype == d else lax.bitcast_convert_type(out[k], d)
-            for k, d in dtypes.items()}
+    bits = _unpacked_tp(tuple(buffers[lay.name] for lay in layouts), tuple(layouts), tp)
+    dtypes = tuple(buffers[lay.name].dtype for lay in layouts for _ in lay.tensors)
+    names = [t.name for lay in layouts for t in lay.tensors]
+    return dict(zip(names, from_bits_program(sum(bits, ()), dtypes)))
+
+
+# Compiled once per units and split (as _buffers' conversions, there for anonymous layouts: here the split
+# is by parameter name).
+def _pack_tp_bits(bits: tuple[tuple[jax.Array, ...], ...], layouts: tuple[Layout, ...],
+                  tp: TensorParallel) -> tuple[jax.Array, ...]:
+    return tuple(pack_tp_unit({t.name: x for t, x in zip(lay.tensors, b)}, lay, tp)
+                 for b, lay in zip(bits, layouts))
+
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _unpacked_tp(buffers: tuple[jax.Array, ...], layouts: tuple[Layout, ...],
+                 tp: TensorParallel) -> tuple[tuple[jax.Array, ...], ...]:
+    units = (unpack_tp_rows(as_bits(b), lay, tp) for b, lay in zip(buffers, layouts))
+    return tuple(tuple(u[t.name] for t in lay.tensors) for u, lay in zip(units, layouts))

@@ -88,6 +88,32 @@ def test_round_trip_is_exact_and_shards_are_the_layouts(model, world):
         assert np.array_equal(np.asarray(back[name]), np.asarray(value)), name
 
 
+def test_units_of_one_structure_share_their_programs_and_keep_every_tensor_in_place():
+    """Twelve tensors in a unit (more than 10: their programs' positional names sort otherwise), planned
+    twice under other names: the second model's round trip is exact (numpy's buffer) and compiles no
+    program of its own (the conversions are compiled for the structure, not the names)."""
+    from jax_backend import _buffers
+
+    mesh = make_mesh((4,), ("fsdp",))
+    shapes = [(3 + i, 5) if i % 2 else (7 * i + 1,) for i in range(12)]
+
+    def round_trip(prefix: str, seed: int) -> int:
+        layout = ragged.plan([ragged.TensorSpec(f"{prefix}.{i}", s) for i, s in enumerate(shapes)], 4,
+                             name=prefix)
+        rng = np.random.default_rng(seed)
+        params = {t.name: jnp.asarray(rng.standard_normal(t.shape), jnp.float32) for t in layout.tensors}
+        buffers = shard_params(params, [layout], mesh, "fsdp")
+        np.testing.assert_array_equal(np.asarray(buffers[prefix]), numpy_buffer(params, layout))
+        back = full_params(buffers, [layout])
+        assert list(back) == list(params)
+        for name, value in params.items():
+            assert np.array_equal(np.asarray(back[name]), np.asarray(value)), name
+        return _buffers._unpacked._cache_size() + _buffers.sharded_program.cache_info().currsize
+
+    compiled = round_trip("first", 0)
+    assert round_trip("second", 1) == compiled
+
+
 def test_thirty_two_row_blocks_stay_on_one_device():
     layouts = plan_model(UNITS, 8, granularity=rows32)
     for layout in layouts:
