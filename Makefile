@@ -28,14 +28,14 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The suite runs as two pytest processes, one per core: the in-process JAX tests and the rest (measured together on an
-# idle 2-core machine, .ci/run on a fresh clone: 19.3 and 19.0 minutes, over the 15-minute target). Each prints
-# its slowest tests, for balancing. The JAX half's output is printed after the other's.
-JAX_HALF := tests/jax_backend
+# The suite runs as two pytest processes, one per core: the in-process JAX tests with the JAX training runs'
+# launches, and the rest. Each prints its slowest tests, for balancing. The JAX half's output is printed
+# after the other's.
+JAX_HALF := tests/jax_backend tests/experiments/test_train_jax.py tests/experiments/test_train_jax_moe.py
 test: $(STAMP) lint
 	@$(PY) -m pytest -q --durations=15 $(JAX_HALF) > .pytest-jax.log 2>&1 & jax=$$!; \
 	$(PY) -m pytest -q --durations=15 $(addprefix --ignore=,$(JAX_HALF)); rest=$$?; \
-	wait $$jax; status=$$?; echo "--- $(JAX_HALF)"; cat .pytest-jax.log; rm -f .pytest-jax.log; \
+	wait $$jax; status=$$?; echo "--- the JAX half: $(JAX_HALF)"; cat .pytest-jax.log; rm -f .pytest-jax.log; \
 	test $$rest -eq 0 -a $$status -eq 0
 
 clean:
