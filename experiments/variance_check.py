@@ -62,6 +62,8 @@ VARIANCES: dict[str, Variance] = {
     "aten_avx512": Variance({"ATEN_CPU_CAPABILITY": "avx512"}, ("torch",), "avx512f"),
     "xla_avx2": Variance({"XLA_FLAGS": "--xla_cpu_max_isa=AVX2"}, ("jax",), "avx2"),
     "xla_sse4_2": Variance({"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2"}, ("jax",), "sse4_2"),
+    # the suite compiles with XLA:CPU's loop emitters on jaxlib 0.10 (tests/conftest.py): XLA's default too
+    "xla_fusion_emitters": Variance({"XLA_FLAGS": "--xla_cpu_use_fusion_emitters=true"}, ("jax",)),
     # torch's gloo workers already run one thread each (tests/torch_backend/_dist.py); the test process
     # and XLA's intra-op pool get one here.
     "one_thread": Variance({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
