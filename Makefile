@@ -30,7 +30,8 @@ lint: $(STAMP)
 
 # The suite runs as two pytest processes, one per core: the in-process JAX tests with the JAX training runs'
 # launches, and the rest (measured together on an idle 2-core machine: 14.8 and 14.2 minutes, 15.0 with
-# ruff). Each prints its slowest tests, for balancing. The JAX half's output is printed after the other's.
+# ruff; .ci/run on a fresh clone later that hour: 11.9 and 11.4, 13.2 with set-up: the host's speed varies).
+# Each prints its slowest tests, for balancing. The JAX half's output is printed after the other's.
 JAX_HALF := tests/jax_backend tests/experiments/test_train_jax.py tests/experiments/test_train_jax_moe.py
 test: $(STAMP) lint
 	@$(PY) -m pytest -q --durations=15 $(JAX_HALF) > .pytest-jax.log 2>&1 & jax=$$!; \
