@@ -176,9 +176,7 @@ def shard_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: Mes
     check_mesh(mesh, layouts, axis)
     check_params(params, layouts)
     params = onto_mesh(dict(params), mesh)
-    dtypes = tuple(jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts)
-    bits = tuple(tuple(as_bits(jnp.asarray(params[t.name], d)) for t in lay.tensors)
-                 for lay, d in zip(layouts, dtypes))
+    dtypes, bits = params_as_bits(params, layouts)
     sharding = buffer_sharding(mesh, axis)
     pack = sharded_program(_pack_bits, (tuple(map(anonymous, layouts)),), sharding)
     out = sharded_program(from_bits, (dtypes,), sharding)(pack(bits))
@@ -193,9 +191,7 @@ def full_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout]) -> 
     for lay in layouts:
         check_buffer(buffers[lay.name], lay)  # here: the programs' layouts have no names
     bits = _unpacked(tuple(buffers[lay.name] for lay in layouts), tuple(map(anonymous, layouts)))
-    dtypes = tuple(buffers[lay.name].dtype for lay in layouts for _ in lay.tensors)
-    names = [t.name for lay in layouts for t in lay.tensors]
-    return dict(zip(names, from_bits_program(sum(bits, ()), dtypes)))
+    return tensors_from_bits(bits, buffers, layouts)
 
 
 # The conversions' programs, compiled for ``anonymous`` layouts: units of one structure (a model's decoder
@@ -220,8 +216,23 @@ def sharded_program(fn: Callable, static: tuple, sharding: NamedSharding) -> Cal
     return jax.jit(lambda arrays: fn(arrays, *static), out_shardings=sharding)
 
 
-# full_params' reinterpretation: the outputs keep the slices' sharding
-from_bits_program = jax.jit(from_bits, static_argnums=1)
+def params_as_bits(params: Mapping[str, Any], layouts: Sequence[Layout]) -> tuple[tuple, tuple]:
+    """Each unit's dtype, and its tensors' bits (``as_bits``) in Layout order: what a pack program takes."""
+    dtypes = tuple(jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts)
+    return dtypes, tuple(tuple(as_bits(jnp.asarray(params[t.name], d)) for t in lay.tensors)
+                         for lay, d in zip(layouts, dtypes))
+
+
+_from_bits = jax.jit(from_bits, static_argnums=1)  # the outputs keep the slices' sharding
+
+
+def tensors_from_bits(bits: tuple[tuple[jax.Array, ...], ...], buffers: Mapping[str, jax.Array],
+                      layouts: Sequence[Layout]) -> dict[str, jax.Array]:
+    """An unpack program's tensors (per unit, in Layout order, as bits) -> ``{fqn: array}`` of the buffers'
+    dtypes."""
+    dtypes = tuple(buffers[lay.name].dtype for lay in layouts for _ in lay.tensors)
+    names = [t.name for lay in layouts for t in lay.tensors]
+    return dict(zip(names, _from_bits(sum(bits, ()), dtypes)))
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -36,10 +36,11 @@ from jax_backend._buffers import (
     check_mesh,
     check_params,
     from_bits,
-    from_bits_program,
     onto_mesh,
     pack_unit,
+    params_as_bits,
     sharded_program,
+    tensors_from_bits,
 )
 from jax_backend._compat import shard_map
 from jax_backend._names import fqn
@@ -276,9 +277,7 @@ def shard_tp_params(params: Mapping[str, Any], layouts: Sequence[Layout], mesh: 
     check_params({n: jax.ShapeDtypeStruct(tp.local_shape(n, np.shape(a)) if n in dims else np.shape(a),
                                           jnp.result_type(a)) for n, a in params.items()}, layouts)
     params = onto_mesh(dict(params), mesh)
-    dtypes = tuple(jnp.result_type(*(params[t.name] for t in lay.tensors)) for lay in layouts)
-    bits = tuple(tuple(as_bits(jnp.asarray(params[t.name], d)) for t in lay.tensors)
-                 for lay, d in zip(layouts, dtypes))
+    dtypes, bits = params_as_bits(params, layouts)
     sharding = NamedSharding(mesh, P(tp.axis, axis))
     pack = sharded_program(_pack_tp_bits, (tuple(layouts), tp), sharding)
     out = sharded_program(from_bits, (dtypes,), sharding)(pack(bits))
@@ -292,9 +291,7 @@ def full_tp_params(buffers: Mapping[str, jax.Array], layouts: Sequence[Layout],
     if missing:
         raise LayoutMismatchError(f"buffers miss the units {missing} (have {list(buffers)})")
     bits = _unpacked_tp(tuple(buffers[lay.name] for lay in layouts), tuple(layouts), tp)
-    dtypes = tuple(buffers[lay.name].dtype for lay in layouts for _ in lay.tensors)
-    names = [t.name for lay in layouts for t in lay.tensors]
-    return dict(zip(names, from_bits_program(sum(bits, ()), dtypes)))
+    return tensors_from_bits(bits, buffers, layouts)
 
 
 # Compiled once per units and split (as _buffers' conversions, there for anonymous layouts: here the split
@@ -303,7 +300,6 @@ def _pack_tp_bits(bits: tuple[tuple[jax.Array, ...], ...], layouts: tuple[Layout
                   tp: TensorParallel) -> tuple[jax.Array, ...]:
     return tuple(pack_tp_unit({t.name: x for t, x in zip(lay.tensors, b)}, lay, tp)
                  for b, lay in zip(bits, layouts))
-
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

@@ -19,7 +19,9 @@ _HF_PRELOAD = "tests.torch_backend._hf_preload"
 # on these small models. XLA:CPU's legacy (loop) emitters instead of its fusion emitters: a llama-tiny
 # training step compiles in 1.0 s instead of 1.6 s (jaxlib 0.10; a flag XLA may retire, and an unknown
 # flag aborts XLA, so it is passed to the jaxlib it was measured on only). The suite passes with and
-# without each (bit-exactness checks included); the benchmarks in experiments/ run at XLA's defaults.
+# without each (bit-exactness checks included; the one that compares two programs bit for bit runs under
+# the default emitters: jax_reference.passed_with_fusion_emitters); the benchmarks in experiments/ run at
+# XLA's defaults.
 _FLAGS = ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"]
 if importlib.metadata.version("jaxlib").startswith("0.10."):
     _FLAGS.append("--xla_cpu_use_fusion_emitters=false")
