@@ -129,6 +129,8 @@ def test_bad_buffers_and_params_raise():
     layouts = plan_model(UNITS[:1], 2)
     with pytest.raises(LayoutMismatchError, match=r"unit 'tok_embeddings': buffer has shape \(7,\)"):
         unpack_unit(jnp.zeros(7), layouts[0])
+    with pytest.raises(LayoutMismatchError, match=r"unit 'tok_embeddings': buffer has shape \(7,\)"):
+        full_params({"tok_embeddings": jnp.zeros(7)}, layouts)  # named, though its program's layout is not
     with pytest.raises(LayoutMismatchError, match=r"unexpected \['extra.weight'\]"):
         check_params({"tok_embeddings.weight": jnp.zeros((256, 64)), "extra.weight": jnp.zeros(3)}, layouts)
     out = plan_model(UNITS[-1:], 2)
