@@ -1,0 +1,118 @@
+"""gloo's flat-buffer reduce-scatter against the one ``torch_backend._collectives`` issues on gloo.
+
+torch's ``reduce_scatter_tensor`` on gloo clones the whole buffer, all-reduces all of it and copies this
+rank's slice out; ``torch_backend._collectives.reduce_scatter`` sends chunk ``d`` to rank ``d`` with one
+``all_to_all_single`` and sums the chunks it receives. Both are timed here on the same buffers, in
+alternation (each round runs every collective once after a barrier), with ``all_reduce`` and
+``all_gather_into_tensor`` of the same buffer for scale, at the sizes of the units of
+``experiments.torch_vs_fsdp2``'s llama (a block, the embedding). The results must agree: float64
+buffers, compared to a bound of float64 rounding of a ``world``-term sum.
+
+    python -m experiments.gloo_collectives   # writes experiments/results/gloo_collectives.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from experiments._distributed import rendezvous, spawn_ranks
+
+RESULTS = Path(__file__).parent / "results"
+SIZES = (705_536, 2_098_176)  # elements of a block and of the embedding unit, 4 ranks (torch_vs_fsdp2)
+
+
+def _ops(n: int, world: int, full: torch.Tensor) -> dict:
+    """The collectives timed, over buffers of ``n`` elements made once."""
+    from torch_backend._collectives import reduce_scatter
+
+    shard, gathered, reduced = torch.empty(n // world), torch.empty(n), full.clone()
+    return {
+        "torch reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(shard, full),
+        "ours reduce_scatter (all_to_all + sum)": lambda: reduce_scatter(shard, full, None, label="b").wait(),
+        "torch all_reduce": lambda: dist.all_reduce(reduced),
+        "torch all_gather_into_tensor": lambda: dist.all_gather_into_tensor(gathered, shard),
+    }
+
+
+def _agreement(n: int, world: int, full: torch.Tensor) -> dict:
+    """Both reduce-scatters of ``full`` in float64: their largest difference and the rounding bound of a
+    ``world``-term sum (eps * world * the sum of the terms' magnitudes)."""
+    from torch_backend._collectives import reduce_scatter
+
+    exact = full.double()
+    theirs, ours = (torch.empty(n // world, dtype=torch.float64) for _ in range(2))
+    dist.reduce_scatter_tensor(theirs, exact)
+    reduce_scatter(ours, exact, None, label="check").wait()
+    magnitude = exact.abs()
+    dist.all_reduce(magnitude)
+    return {"max_abs_diff": (ours - theirs).abs().max().item(),
+            "bound": torch.finfo(torch.float64).eps * world * magnitude.max().item()}
+
+
+def _worker(rank: int, workdir: str, world: int, rounds: int) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=rendezvous(workdir), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    out = {}
+    for n in SIZES:
+        full = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        ops = _ops(n, world, full)
+        times = {k: [] for k in ops}
+        for r in range(rounds):
+            for k, op in ops.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                op()
+                if r:  # the first round is warm-up
+                    times[k].append(time.perf_counter() - t0)
+        medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        out[n] = {"median_ms": medians} | _agreement(n, world, full)
+    dist.destroy_process_group()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=21)
+    p.add_argument("--out", default=str(RESULTS / "gloo_collectives"))
+    args = p.parse_args(argv)
+    load = os.getloadavg()
+    ranks = spawn_ranks(args.world, _worker, args.world, args.rounds)
+    result = {"world": args.world, "rounds": args.rounds, "torch": torch.__version__,
+              "load_before": load, "load_after": os.getloadavg(), "cpus": os.cpu_count(), "rank0": ranks[0]}
+    for r in ranks:
+        for n, row in r.items():
+            assert row["max_abs_diff"] <= row["bound"], (n, row)
+    lines = [f"# gloo reduce-scatter: torch's against ours ({args.world} processes, fp32, median of "
+             f"{args.rounds - 1} alternating rounds, rank 0)", "",
+             f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load[0]:.1f} before and "
+             f"{result['load_after'][0]:.1f} after. Results agree in float64 on every rank (largest "
+             "difference within the rounding of a sum of world terms).", "",
+             "| elements | " + " | ".join(ranks[0][SIZES[0]]["median_ms"]) + " |",
+             "|---|" + "---|" * len(ranks[0][SIZES[0]]["median_ms"])]
+    for n, row in ranks[0].items():
+        lines.append(f"| {n:,} | " + " | ".join(f"{v:.1f} ms" for v in row["median_ms"].values()) + " |")
+    for n, row in ranks[0].items():
+        ms = row["median_ms"]
+        theirs = ms["torch reduce_scatter_tensor"]
+        ratio = ms["ours reduce_scatter (all_to_all + sum)"] / theirs
+        over_all_reduce = theirs / ms["torch all_reduce"]
+        lines.append(f"\n{n:,} elements: ours / torch's reduce-scatter **{ratio:.2f}**; torch's "
+                     f"reduce-scatter / its all-reduce of the same buffer {over_all_reduce:.2f}.")
+    Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

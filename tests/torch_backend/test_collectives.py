@@ -1,0 +1,72 @@
+"""``torch_backend._collectives.reduce_scatter`` on gloo (an all-to-all and a local sum) against numpy.
+
+Each rank's buffer is drawn from a generator seeded by its rank, so every rank can rebuild all of them
+and sum them in float64 with numpy: the reference. In float64 the result must sit within the rounding
+of a ``world``-term sum (eps * world * the sum of the terms' magnitudes) of it, as torch's own gloo
+reduce-scatter does; a lower precision within its own eps. Sizes not divisible into equal chunks are
+refused on every rank before anything is sent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.torch_backend._dist import launch, run_cases
+from torch_backend import debug_counter
+from torch_backend._collectives import reduce_scatter
+
+SHARD = 1_001  # odd: chunk boundaries fall anywhere
+
+
+def _buffer(rank: int, world: int) -> np.ndarray:
+    return np.random.default_rng(rank).standard_normal(world * SHARD)
+
+
+def _case(rank: int, world: int, dtype: torch.dtype) -> None:
+    full = torch.from_numpy(_buffer(rank, world)).to(dtype)
+    shard = torch.empty(SHARD, dtype=dtype)
+    with debug_counter() as counter:
+        reduce_scatter(shard, full, dist.group.WORLD, label="case").wait()
+    terms = np.stack([torch.from_numpy(_buffer(r, world)).to(dtype).double().numpy() for r in range(world)])
+    mine = slice(rank * SHARD, (rank + 1) * SHARD)
+    want = terms[:, mine].sum(0)
+    eps = torch.finfo(dtype).eps
+    bound = eps * world * np.abs(terms[:, mine]).sum(0)
+    err = np.abs(shard.double().numpy() - want)
+    assert (err <= bound).all(), f"{dtype}: worst error {err.max()} over bound {bound[err.argmax()]}"
+    assert counter.calls[("reduce_scatter", "case")] == 1
+    if dtype == torch.float64:  # torch's gloo reduce-scatter: the same bound from the same reference
+        theirs = torch.empty(SHARD, dtype=dtype)
+        dist.reduce_scatter_tensor(theirs, full)
+        assert (np.abs(theirs.numpy() - want) <= bound).all()
+
+
+def _uneven(rank: int, world: int) -> None:
+    try:
+        reduce_scatter(torch.empty(SHARD), torch.empty(world * SHARD + 1), dist.group.WORLD, label="uneven")
+    except ValueError as e:
+        assert "uneven" in str(e) and str(world * SHARD + 1) in str(e), e
+    else:
+        raise AssertionError("no error")
+    dist.barrier()  # every rank got here: nothing was sent
+
+
+def checks(rank: int, world: int) -> dict:
+    cases = {str(dtype): (lambda d=dtype: _case(rank, world, d)) for dtype in
+             (torch.float64, torch.float32, torch.bfloat16)}
+    cases["uneven"] = lambda: _uneven(rank, world)
+    return run_cases(cases)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_reduce_scatter_matches_numpy(world):
+    results = launch(str(Path(__file__)), "checks", world)
+    for rank, res in enumerate(results):
+        assert "<worker>" not in res, res["<worker>"]
+        failed = {k: v["traceback"] for k, v in res.items() if isinstance(v, dict)}
+        assert not failed, f"rank {rank}: {failed}"
