@@ -104,7 +104,8 @@ def run_variance(name: str, variance: Variance, tests: list[str], workdir: Path,
     wall = round(time.perf_counter() - start, 1)
     if not xml.exists():
         return {"env": variance.env, "tests": tests, "wall_s": wall, "passed": 0, "skipped": 0,
-                "failed": [{"node": "<pytest>", "message": proc.stdout[-2000:] + proc.stderr[-2000:]}]}
+                "failed": [{"node": "<pytest>", "message": proc.stdout[-2000:] + proc.stderr[-2000:]}],
+                "commit": _commit()}
     passed = skipped = 0
     failed = []
     for case in ET.parse(xml).getroot().iter("testcase"):
@@ -117,7 +118,14 @@ def run_variance(name: str, variance: Variance, tests: list[str], workdir: Path,
         else:
             passed += 1
     return {"env": variance.env, "tests": tests, "wall_s": wall, "passed": passed, "skipped": skipped,
-            "failed": failed}
+            "failed": failed, "commit": _commit()}
+
+
+def _commit() -> str:
+    """The checkout's commit, with ``+changes`` when the tree differs from it."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "--short=12", "HEAD") + ("+changes" if git("status", "--porcelain") else "")
 
 
 def report(results: dict) -> str:
@@ -125,15 +133,19 @@ def report(results: dict) -> str:
     lines = ["# Numerics-sensitive tests under emulated machine variance", "",
              f"`python -m experiments.variance_check` on {c['model']} ({c['cores']} cores; "
              f"ISAs: {', '.join(c['isas'])}).", "",
-             "| variance | environment | passed | failed | skipped | wall s |", "|---|---|---|---|---|---|"]
+             "| variance | environment | commit | passed | failed | skipped | wall s |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in results["variances"].items():
         env = " ".join(f"`{k}={v}`" for k, v in r["env"].items()) or "(none)"
         counts = f"{r['passed']} | {len(r['failed'])} | {r['skipped']}"
-        lines.append(f"| {name} | {env} | {counts} | {r['wall_s']} |")
+        lines.append(f"| {name} | {env} | {r.get('commit', '?')} | {counts} | {r['wall_s']} |")
     skipped = results["not_run"]
     if skipped:
         lines += ["", "Not run (the CPU lacks the ISA): " + ", ".join(skipped) + "."]
-    lines += ["", "Tests: " + ", ".join(f"`{t}`" for t in results["tests"]) + "."]
+    lines += ["", "Tests (of each variance's stacks): " + ", ".join(f"`{t}`" for t in results["tests"]) + "."]
+    for name, r in results["variances"].items():
+        if name in VARIANCES and r["tests"] != tests_for(VARIANCES[name], None):
+            lines.append(f"- {name} ran only: " + ", ".join(f"`{t}`" for t in r["tests"]) + ".")
     for name, r in results["variances"].items():
         for f in r["failed"]:
             lines.append(f"- {name}: `{f['node']}`: {f['message'].splitlines()[0] if f['message'] else ''}")
@@ -147,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "variance_check"), help="stem of the .md and .json")
     parser.add_argument("--jobs", type=int, default=1, help="pytest processes at a time")
     parser.add_argument("--update", action="store_true",
-                        help="keep the other variances of an earlier run over the same tests in --out")
+                        help="keep the other variances of an earlier run in --out (rows name their commit)")
     parser.add_argument("--timeout-scale", type=float, default=10.0,
                         help="multiplies the gloo launches' timeouts (this checks numerics, not speed)")
     args = parser.parse_args(argv)
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {"cpu": machine, "tests": only or [t for ts in NUMERICS_TESTS.values() for t in ts],
                "variances": {}}
     earlier = Path(f"{args.out}.json")
-    if args.update and earlier.exists() and json.loads(earlier.read_text())["tests"] == results["tests"]:
+    if args.update and earlier.exists():
         results["variances"] = json.loads(earlier.read_text())["variances"]
     runnable = [n for n in names if tests_for(VARIANCES[n], only)]
     results["not_run"] = [n for n in runnable if VARIANCES[n].needs_isa not in (None, *machine["isas"])]
