@@ -1,10 +1,11 @@
-"""``torch_backend._collectives.reduce_scatter`` on gloo (an all-to-all and a local sum) against numpy.
+"""``torch_backend._collectives`` on gloo (the all-gather, and the reduce-scatter by an all-to-all and a
+local sum) against numpy.
 
-Each rank's buffer is drawn from a generator seeded by its rank, so every rank can rebuild all of them
-and sum them in float64 with numpy: the reference. In float64 the result must sit within the rounding
-of a ``world``-term sum (eps * world * the sum of the terms' magnitudes) of it, as torch's own gloo
-reduce-scatter does; a lower precision within its own eps. Sizes not divisible into equal chunks are
-refused on every rank before anything is sent.
+Each rank's buffer is drawn from a generator seeded by its rank, so every rank can rebuild all of them:
+the gather must equal their concatenation bit for bit (flat and as a 2-D block, Muon's use); the
+reduce-scatter their float64 numpy sum within the rounding of a ``world``-term sum (eps * world * the
+sum of the terms' magnitudes), as torch's own gloo reduce-scatter does, a lower precision within its own
+eps. Sizes that do not split into equal shards are refused on every rank before anything is sent.
 """
 
 from __future__ import annotations
@@ -18,21 +19,22 @@ import torch.distributed as dist
 
 from tests.torch_backend._dist import launch, run_cases
 from torch_backend import debug_counter
-from torch_backend._collectives import reduce_scatter
+from torch_backend._collectives import all_gather, reduce_scatter
 
 SHARD = 1_001  # odd: chunk boundaries fall anywhere
 
 
-def _buffer(rank: int, world: int) -> np.ndarray:
-    return np.random.default_rng(rank).standard_normal(world * SHARD)
+def _buffer(rank: int, n: int) -> np.ndarray:
+    return np.random.default_rng(rank).standard_normal(n)
 
 
 def _case(rank: int, world: int, dtype: torch.dtype) -> None:
-    full = torch.from_numpy(_buffer(rank, world)).to(dtype)
+    full = torch.from_numpy(_buffer(rank, world * SHARD)).to(dtype)
     shard = torch.empty(SHARD, dtype=dtype)
     with debug_counter() as counter:
         reduce_scatter(shard, full, dist.group.WORLD, label="case").wait()
-    terms = np.stack([torch.from_numpy(_buffer(r, world)).to(dtype).double().numpy() for r in range(world)])
+    terms = np.stack([torch.from_numpy(_buffer(r, world * SHARD)).to(dtype).double().numpy()
+                      for r in range(world)])
     mine = slice(rank * SHARD, (rank + 1) * SHARD)
     want = terms[:, mine].sum(0)
     eps = torch.finfo(dtype).eps
@@ -46,25 +48,41 @@ def _case(rank: int, world: int, dtype: torch.dtype) -> None:
         assert (np.abs(theirs.numpy() - want) <= bound).all()
 
 
+def _gather(rank: int, world: int, dtype: torch.dtype, rows: int) -> None:
+    shards = [torch.from_numpy(_buffer(r, rows * SHARD)).to(dtype).view(rows, SHARD)
+              for r in range(world)]
+    full = torch.full((world * rows, SHARD), float("nan"), dtype=dtype)
+    with debug_counter() as counter:
+        all_gather(full, shards[rank], dist.group.WORLD, label="case").wait()
+    assert torch.equal(full, torch.cat(shards)), f"{dtype}: gathered buffer differs"
+    assert counter.calls[("all_gather", "case")] == 1 and counter.copy_bytes == 0
+
+
 def _uneven(rank: int, world: int) -> None:
-    try:
-        reduce_scatter(torch.empty(SHARD), torch.empty(world * SHARD + 1), dist.group.WORLD, label="uneven")
-    except ValueError as e:
-        assert "uneven" in str(e) and str(world * SHARD + 1) in str(e), e
-    else:
-        raise AssertionError("no error")
+    shard, full = torch.empty(SHARD), torch.empty(world * SHARD + 1)
+    for name, call in (("reduce_scatter", lambda: reduce_scatter(shard, full, dist.group.WORLD, label="u")),
+                       ("all_gather", lambda: all_gather(full, shard, dist.group.WORLD, label="u"))):
+        try:
+            call()
+        except ValueError as e:
+            assert name in str(e) and str(world * SHARD + 1) in str(e), e
+        else:
+            raise AssertionError(f"{name}: no error")
     dist.barrier()  # every rank got here: nothing was sent
 
 
 def checks(rank: int, world: int) -> dict:
     cases = {str(dtype): (lambda d=dtype: _case(rank, world, d)) for dtype in
              (torch.float64, torch.float32, torch.bfloat16)}
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 3):
+            cases[f"gather {dtype} x{rows}"] = lambda d=dtype, r=rows: _gather(rank, world, d, r)
     cases["uneven"] = lambda: _uneven(rank, world)
     return run_cases(cases)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gloo_reduce_scatter_matches_numpy(world):
+def test_gloo_collectives_match_numpy(world):
     results = launch(str(Path(__file__)), "checks", world)
     for rank, res in enumerate(results):
         assert "<worker>" not in res, res["<worker>"]
