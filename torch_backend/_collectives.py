@@ -111,8 +111,20 @@ def _issue(kind: str, label: str, group: dist.ProcessGroup, moved: torch.Tensor,
         raise CollectiveError(f"{what} failed: {e}") from e
 
 
+def _check_even(kind: str, label: str, group: dist.ProcessGroup, full: torch.Tensor, shard: torch.Tensor
+                ) -> int:
+    """The group's size, once ``full`` is checked to hold one ``shard`` per rank (before anything is sent:
+    the peers would wait for it)."""
+    world = dist.get_world_size(group)
+    if full.numel() != world * shard.numel():
+        raise ValueError(f"{kind} of {label!r}: a buffer of {full.numel()} elements does not split into "
+                         f"{world} shards of {shard.numel()}")
+    return world
+
+
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, label: str) -> Pending:
     """Gather every rank's ``shard`` into ``full`` (``world * shard.numel()`` elements, rank-major)."""
+    _check_even("all_gather", label, group, full, shard)
     return _issue("all_gather", label, group, full,
                   lambda: all_gather_flat(full, shard, group=group, async_op=True))
 
@@ -120,10 +132,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, *,
                    label: str) -> Pending:
     """Sum ``full`` over ranks and write this rank's slice into ``shard``."""
-    world = dist.get_world_size(group)
-    if full.numel() != world * shard.numel():  # before anything is sent: the peers would wait for it
-        raise ValueError(f"reduce_scatter of {label!r}: uneven buffer of {full.numel()} elements for {world} "
-                         f"shards of {shard.numel()}")
+    world = _check_even("reduce_scatter", label, group, full, shard)
     if full.is_cuda or dist.get_backend(group) != "gloo":
         return _issue("reduce_scatter", label, group, full, lambda: reduce_scatter_flat(
             shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
