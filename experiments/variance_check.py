@@ -38,7 +38,7 @@ NUMERICS_TESTS = {
     "torch": tuple(f"tests/torch_backend/{f}.py" for f in (
         "test_fsdp_data_dependent", "test_fsdp_user_models", "test_fsdp_dropin", "test_fsdp_parity",
         "test_fsdp_moe", "test_moe_optim", "test_moe_dcp", "test_fsdp_tp", "test_optim", "test_muon_split",
-        "test_dcp", "test_fsdp_multi_forward", "test_lightning", "test_accelerate")),
+        "test_dcp", "test_fsdp_multi_forward", "test_lightning", "test_accelerate", "test_collectives")),
     "jax": tuple(f"tests/jax_backend/{f}.py" for f in (
         "test_step", "test_expert_parallel", "test_expert_parallel_optim", "test_tensor_parallel",
         "test_optax", "test_model_state", "test_optim", "test_muon_split", "test_checkpoint", "test_orbax",
@@ -84,10 +84,12 @@ def cpu() -> dict:
     return {"model": model, "cores": os.cpu_count(), "isas": isas}
 
 
-def tests_for(variance: Variance, only: list[str] | None) -> list[str]:
-    """The files (or node ids) of ``only``, or every numerics test file, of the variance's stacks."""
-    chosen = only or [t for stack in ("torch", "jax") for t in NUMERICS_TESTS[stack]]
-    return [t for t in chosen if any(t.startswith(f"tests/{s}_backend/") for s in variance.stacks)
+def tests_for(variance: Variance, only: list[str] | None, stack: str | None = None) -> list[str]:
+    """The files (or node ids) of ``only``, or every numerics test file, of the variance's stacks (of
+    ``stack`` alone when given)."""
+    chosen = only or [t for s in ("torch", "jax") for t in NUMERICS_TESTS[s]]
+    stacks = [s for s in variance.stacks if stack in (None, s)]
+    return [t for t in chosen if any(t.startswith(f"tests/{s}_backend/") for s in stacks)
             or not t.startswith(("tests/torch_backend/", "tests/jax_backend/"))]
 
 
@@ -144,7 +146,8 @@ def report(results: dict) -> str:
         lines += ["", "Not run (the CPU lacks the ISA): " + ", ".join(skipped) + "."]
     lines += ["", "Tests (of each variance's stacks): " + ", ".join(f"`{t}`" for t in results["tests"]) + "."]
     for name, r in results["variances"].items():
-        if name in VARIANCES and r["tests"] != tests_for(VARIANCES[name], None):
+        base, _, stack = name.partition(" (")
+        if base in VARIANCES and r["tests"] != tests_for(VARIANCES[base], None, stack.rstrip(")") or None):
             lines.append(f"- {name} ran only: " + ", ".join(f"`{t}`" for t in r["tests"]) + ".")
     for name, r in results["variances"].items():
         for f in r["failed"]:
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", help="comma-separated test files or node ids (default: NUMERICS_TESTS)")
     parser.add_argument("--variances", help=f"comma-separated, of {', '.join(VARIANCES)} (default: all)")
     parser.add_argument("--out", default=str(RESULTS / "variance_check"), help="stem of the .md and .json")
+    parser.add_argument("--stack", choices=tuple(NUMERICS_TESTS),
+                        help="this stack's tests only, in rows named 'variance (stack)' (after changing it)")
     parser.add_argument("--jobs", type=int, default=1, help="pytest processes at a time")
     parser.add_argument("--update", action="store_true",
                         help="keep the other variances of an earlier run in --out (rows name their commit)")
@@ -174,14 +179,14 @@ def main(argv: list[str] | None = None) -> None:
     earlier = Path(f"{args.out}.json")
     if args.update and earlier.exists():
         results["variances"] = json.loads(earlier.read_text())["variances"]
-    runnable = [n for n in names if tests_for(VARIANCES[n], only)]
+    runnable = [n for n in names if tests_for(VARIANCES[n], only, args.stack)]
     results["not_run"] = [n for n in runnable if VARIANCES[n].needs_isa not in (None, *machine["isas"])]
     with tempfile.TemporaryDirectory() as workdir, ThreadPoolExecutor(args.jobs) as pool:
-        runs = {n: pool.submit(run_variance, n, VARIANCES[n], tests_for(VARIANCES[n], only), Path(workdir),
-                               args.timeout_scale)
+        runs = {n: pool.submit(run_variance, n, VARIANCES[n], tests_for(VARIANCES[n], only, args.stack),
+                               Path(workdir), args.timeout_scale)
                 for n in runnable if n not in results["not_run"]}
         for name, future in runs.items():
-            r = results["variances"][name] = future.result()
+            r = results["variances"][f"{name} ({args.stack})" if args.stack else name] = future.result()
             print(f"{name}: {r['passed']} passed, {len(r['failed'])} failed, {r['wall_s']} s", flush=True)
     Path(f"{args.out}.json").write_text(json.dumps(results, indent=1) + "\n")
     Path(f"{args.out}.md").write_text(report(results))
