@@ -111,6 +111,13 @@ def _issue(kind: str, label: str, group: dist.ProcessGroup, moved: torch.Tensor,
         raise CollectiveError(f"{what} failed: {e}") from e
 
 
+def _gloo_carries(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """gloo moves ``tensor`` over ``group``: a host tensor on a gloo group, on a per-device one whose CPU
+    backend is gloo (``"cpu:gloo,cuda:nccl"``), or on one made without a backend (gloo is the CPU default)."""
+    backend = dist.get_backend(group)
+    return tensor.device.type == "cpu" and (backend in ("gloo", "undefined") or "cpu:gloo" in backend)
+
+
 def _check_even(kind: str, label: str, group: dist.ProcessGroup, full: torch.Tensor, shard: torch.Tensor
                 ) -> int:
     """The group's size, once ``full`` is checked to hold one ``shard`` per rank (before anything is sent:
@@ -133,7 +140,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessG
                    label: str) -> Pending:
     """Sum ``full`` over ranks and write this rank's slice into ``shard``."""
     world = _check_even("reduce_scatter", label, group, full, shard)
-    if full.is_cuda or dist.get_backend(group) != "gloo":
+    if not _gloo_carries(full, group):
         return _issue("reduce_scatter", label, group, full, lambda: reduce_scatter_flat(
             shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True))
     chunks = torch.empty((world, shard.numel()), dtype=full.dtype, device=full.device)
