@@ -126,3 +126,41 @@ def test_a_step_every_rank_ran_alike_teaches_the_call_order():
         schedule.forward(states[i], [])
         assert log[-1][0] == f"u{i}"  # gathered at its own forward
         schedule.forward_done(states[i])
+
+
+class ReducingUnit:
+    """A unit whose reduce-scatter completes when the test says; advancing it issues HSDP's all-reduce
+    (logged), which completes at once."""
+
+    def __init__(self, index: int, issued: list) -> None:
+        self.index, self.issued = index, issued
+        self.reduce_scatter_done = False
+        self.reduce_scatter_running = True
+
+    def try_finish_reduce(self) -> bool:
+        if self.reduce_scatter_running:
+            if not self.reduce_scatter_done:
+                return False
+            self.reduce_scatter_running = False
+            self.issued.append(self.index)
+        return True
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(completions=st.permutations(range(N)), checks=st.lists(st.integers(0, N), min_size=N, max_size=N))
+def test_replica_all_reduces_are_issued_in_reduce_order_whatever_completes_first(completions, checks):
+    """A rank's reduce-scatters complete in any order (``completions``, with ``checks[i]`` later reduces
+    checking in between); the all-reduces over the replicas must still be issued in reduce order, as on
+    every other rank, or two units' all-reduces would pair across the replicas."""
+    from torch_backend.fsdp._hooks import advance_in_order
+
+    issued: list = []
+    units = [ReducingUnit(i, issued) for i in range(N)]
+    reducing = list(units)
+    for done, n in zip(completions, checks):
+        units[done].reduce_scatter_done = True
+        for _ in range(n):
+            reducing = advance_in_order(reducing)
+    for unit in reducing:  # the end of backward finishes the rest in order
+        assert unit.try_finish_reduce()
+    assert issued == list(range(N))

@@ -307,6 +307,22 @@ def reduce_scatter_groups(shard_groups: list[dist.ProcessGroup]) -> dict[tuple[i
     return made
 
 
+def advance_in_order(reducing: list[Unit]) -> list[Unit]:
+    """Finish the issued reduces that have completed, in reduce order; returns those left.
+
+    Past the first unit whose reduce-scatter is still running nothing advances: advancing issues HSDP's
+    all-reduce over the replicas, and those must be issued in one order on every rank. A later unit's
+    reduce-scatter may complete first on one rank and not on another; advancing it past an earlier one
+    would pair the two units' all-reduces across the replicas (silently, where their sizes match).
+    """
+    left, blocked = [], False
+    for unit in reducing:
+        if blocked or not unit.try_finish_reduce():
+            left.append(unit)
+            blocked = blocked or unit.reduce_scatter_running
+    return left
+
+
 class RootContext:
     """Bookkeeping shared by every unit under the root: the schedule, the step, CUDA streams."""
 
@@ -386,7 +402,7 @@ class RootContext:
         # freed before the next reduce needs memory; HSDP's all-reduce issued once the reduce-scatter
         # is done, hidden behind backward). None is waited for before the end of backward: a peer may
         # issue it only then (a unit that got no gradient there) and need this rank's all-gathers first.
-        self._reducing = [u for u in self._reducing if not u.try_finish_reduce()]
+        self._reducing = advance_in_order(self._reducing)
         if state.unit.will_reduce:
             self.schedule.reduced(state)
         if state.unit.reduce_gradients():

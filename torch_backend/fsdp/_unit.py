@@ -542,6 +542,11 @@ class Unit:
         self.reduce.free_full()
         self.reshard()
 
+    @property
+    def reduce_scatter_running(self) -> bool:
+        """The reduce-scatter is issued and not advanced past (HSDP's all-reduce not issued yet)."""
+        return self._pending_reduce is not None
+
     def try_finish_reduce(self) -> bool:
         """Finish the reduce if its collectives have completed (issuing HSDP's all-reduce once the
         reduce-scatter has); returns whether it is finished. Never waits for a peer: one whose unit got
