@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from experiments._distributed import rendezvous, spawn_ranks
+from torch_backend._collectives import reduce_scatter
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = (705_536, 2_098_176)  # elements of a block and of the embedding unit, 4 ranks (torch_vs_fsdp2)
@@ -32,8 +33,6 @@ SIZES = (705_536, 2_098_176)  # elements of a block and of the embedding unit, 4
 
 def _ops(n: int, world: int, full: torch.Tensor) -> dict:
     """The collectives timed, over buffers of ``n`` elements made once."""
-    from torch_backend._collectives import reduce_scatter
-
     shard, gathered, reduced = torch.empty(n // world), torch.empty(n), full.clone()
     return {
         "torch reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(shard, full),
@@ -46,8 +45,6 @@ def _ops(n: int, world: int, full: torch.Tensor) -> dict:
 def _agreement(n: int, world: int, full: torch.Tensor) -> dict:
     """Both reduce-scatters of ``full`` in float64: their largest difference and the rounding bound of a
     ``world``-term sum (eps * world * the sum of the terms' magnitudes)."""
-    from torch_backend._collectives import reduce_scatter
-
     exact = full.double()
     theirs, ours = (torch.empty(n // world, dtype=torch.float64) for _ in range(2))
     dist.reduce_scatter_tensor(theirs, exact)
