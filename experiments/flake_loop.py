@@ -6,9 +6,12 @@ A round runs the selected test files in one pytest process, then ``python -m exp
 ranks); the selection is printed and recorded, so a file the patterns miss shows. A failure is a failed or
 erroring test (its node id and the first lines of its message, from pytest's JUnit XML), a pytest process
 that ends abnormally after its tests passed (a crash at exit, e.g. SIGABRT), or a demo that exits non-zero.
-Nothing is retried.
+Nothing is retried. The report is rewritten after every round, so a loop cut short keeps what it ran;
+``--resume`` continues it while the code is unchanged (only ``experiments/results`` may differ from the
+commit it started on).
 
     python -m experiments.flake_loop     # 20 rounds; writes experiments/results/flake_loop.{md,json}
+    python -m experiments.flake_loop --resume   # the rounds an earlier, cut-short loop did not run
     python -m experiments.flake_loop --rounds 2 --only test_demo --only test_train_torch --no-demo
 
 Run it on a quiet machine: it takes about as long per round as the multi-process part of ``make test``.
@@ -88,11 +91,18 @@ def run_demo(args: list[str], timeout_s: float) -> list[dict]:
              + _first_lines(done.stderr[-3000:])}]
 
 
+def _git(*a: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+
+
 def checkout() -> dict:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"commit": git("rev-parse", "HEAD"), "dirty": dirty}
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no").stdout.strip())
+    return {"commit": _git("rev-parse", "HEAD").stdout.strip(), "dirty": dirty}
+
+
+def same_code(commit: str) -> bool:
+    """The checkout's tracked files equal ``commit``'s, but for ``experiments/results``."""
+    return _git("diff", "--quiet", commit, "--", ".", ":(exclude)experiments/results").returncode == 0
 
 
 def machine() -> dict:
@@ -111,7 +121,8 @@ def markdown(report: dict) -> str:
         f"{' (uncommitted changes)' if report['checkout']['dirty'] else ''}, {report['machine']['cpu']}, "
         f"{report['machine']['cores']} cores, {report['wall_s'] / 60:.1f} min.",
         "",
-        f"**{report['rounds']} rounds, {report['failed_rounds']} with a failure, {len(report['failures'])} "
+        f"**{report['rounds']} rounds{_of_planned(report)}, {report['failed_rounds']} with a failure, "
+        f"{len(report['failures'])} "
         f"failures** ({report['tests_per_round']} tests per round"
         f"{', and the demo' if report['demo'] else ''}).",
         "",
@@ -127,6 +138,25 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _of_planned(report: dict) -> str:
+    planned = report.get("planned_rounds", report["rounds"])
+    return "" if planned == report["rounds"] else f" of {planned} (cut short: `--resume` runs the rest)"
+
+
+def resumed(out: Path, files: list[str], demo: bool) -> dict | None:
+    """The report of an earlier loop over the same files and code, to continue; None to start afresh."""
+    path = out / "flake_loop.json"
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    if report["checkout"]["dirty"] or not same_code(report["checkout"]["commit"]):
+        raise SystemExit(f"--resume: the code differs from {report['checkout']['commit'][:12]}, "
+                         "where the recorded loop ran; start a new loop")
+    if report["test_files"] != files or report["demo"] != demo:
+        raise SystemExit("--resume: the recorded loop ran other test files or demo setting")
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
@@ -136,32 +166,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--demo-args", default="", help="experiments.demo's arguments (default: make demo's)")
     parser.add_argument("--timeout-min", type=float, default=40, help="per pytest process, and per demo")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the loop recorded in --out (same code, same files) up to --rounds")
     args = parser.parse_args(argv)
     files = [f for f in multi_process_tests() if not args.only or any(o in f for o in args.only)]
     if not files and not args.demo:
         parser.error("nothing to run: no test file matches --only and --no-demo is set")
     print("test files:", *files, sep="\n  ")
-    start, failures, tests, host = time.time(), [], 0, machine()
-    for r in range(1, args.rounds + 1):
-        found = []
+    earlier = resumed(args.out, files, args.demo) if args.resume else None
+    command = "python -m experiments.flake_loop " + shlex.join(sys.argv[1:] if argv is None else argv)
+    report = earlier or {"command": command.strip(), "rounds": 0, "test_files": files, "tests_per_round": 0,
+                         "demo": args.demo, "failed_rounds": 0, "failures": [], "wall_s": 0.0,
+                         "checkout": checkout(), "machine": machine()}
+    report["planned_rounds"] = args.rounds
+    args.out.mkdir(parents=True, exist_ok=True)
+    for r in range(report["rounds"] + 1, args.rounds + 1):
+        start, found = time.time(), []
         if files:
-            tests, found = run_tests(files, args.timeout_min * 60)
+            report["tests_per_round"], found = run_tests(files, args.timeout_min * 60)
         if args.demo:
             found += run_demo(args.demo_args.split(), args.timeout_min * 60)
-        failures += [{"round": r, **f} for f in found]
+        report["failures"] += [{"round": r, **f} for f in found]
+        report["failed_rounds"] = len({f["round"] for f in report["failures"]})
+        report["rounds"], report["wall_s"] = r, report["wall_s"] + time.time() - start
+        (args.out / "flake_loop.json").write_text(json.dumps(report, indent=1))
+        (args.out / "flake_loop.md").write_text(markdown(report))
         print(f"round {r}/{args.rounds}: {len(found)} failure(s)"
               + "".join(f"\n  {f['test']}: {f['message'].splitlines()[0] if f['message'] else ''}"
                         for f in found), flush=True)
-    command = "python -m experiments.flake_loop " + shlex.join(sys.argv[1:] if argv is None else argv)
-    report = {"command": command.strip(),
-              "rounds": args.rounds, "test_files": files, "tests_per_round": tests, "demo": args.demo,
-              "failed_rounds": len({f["round"] for f in failures}), "failures": failures,
-              "wall_s": time.time() - start, "checkout": checkout(), "machine": host}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "flake_loop.json").write_text(json.dumps(report, indent=1))
-    (args.out / "flake_loop.md").write_text(markdown(report))
     print(markdown(report))
-    return 1 if failures else 0
+    return 1 if report["failures"] else 0
 
 
 if __name__ == "__main__":

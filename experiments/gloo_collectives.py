@@ -1,7 +1,7 @@
-"""gloo's flat-buffer reduce-scatter against the one ``torch_backend._collectives`` issues on gloo.
+"""gloo's flat-buffer reduce-scatter against the one ``torch_backend.collectives`` issues on gloo.
 
 torch's ``reduce_scatter_tensor`` on gloo clones the whole buffer, all-reduces all of it and copies this
-rank's slice out; ``torch_backend._collectives.reduce_scatter`` sends chunk ``d`` to rank ``d`` with one
+rank's slice out; ``torch_backend.collectives.reduce_scatter`` sends chunk ``d`` to rank ``d`` with one
 ``all_to_all_single`` and sums the chunks it receives. Both are timed here on the same buffers, in
 alternation (each round runs every collective once after a barrier), with ``all_reduce`` and
 ``all_gather_into_tensor`` of the same buffer for scale, at the sizes of the units of
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from experiments._distributed import rendezvous, spawn_ranks
-from torch_backend._collectives import reduce_scatter
+from torch_backend.collectives import reduce_scatter
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = (705_536, 2_098_176)  # elements of a block and of the embedding unit, 4 ranks (torch_vs_fsdp2)

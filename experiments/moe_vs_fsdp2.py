@@ -2,7 +2,7 @@
 
 **Core** (numpy only, seconds): GPT-OSS-120B's decoder layer (128 fused experts, ``gate_up_proj`` of
 ``[128, 2880, 5760]``) planned by ``ragged`` and laid out as FSDP2's per-parameter ``Shard(0)``
-(``ragged._baselines.fsdp2``: each tensor's dim 0 padded to a multiple of the group), at 64 / 128 / 256 /
+(``ragged.bench.fsdp2``: each tensor's dim 0 padded to a multiple of the group), at 64 / 128 / 256 /
 1024 devices: the all-gather buffer of one layer and the per-device memory of a training step
 (``ragged.models.memory_plan``, the plan behind ``experiments.train --dry-run``, with ``sharding="fsdp2"``
 for FSDP2). The paper's claim under test: at 256 GPUs FSDP2 runs out of memory on GPT-OSS-120B because
@@ -42,10 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from ragged._baselines import fsdp2
-from ragged._granularity import Granularity, granularity_for
-from ragged._layout import TensorSpec
-from ragged._model_plan import plan_model
+from ragged import Granularity, TensorSpec, granularity_for, plan_model
+from ragged.bench import fsdp2
 from ragged.models import MOE_CONFIGS, UnitShapes, memory_plan, plan_expert_parallel, trained_shapes
 
 RESULTS = Path(__file__).parent / "results"

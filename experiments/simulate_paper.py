@@ -316,7 +316,7 @@ def timeline_png(results: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ragged.simulate._timeline_svg import COLORS
+    from ragged.simulate import TIMELINE_COLORS
 
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(results) + 1.2))
     labels = []
@@ -324,7 +324,7 @@ def timeline_png(results: list, path: Path) -> None:
         for j, stream in enumerate(("compute", "comm")):
             y = 2 * (len(results) - 1 - i) + (1 - j)
             labels.append((y, f"{r.label}: {stream}"))
-            for kind, colour in COLORS.items():
+            for kind, colour in TIMELINE_COLORS.items():
                 bars = [(o.start, o.seconds) for o in r.ops
                         if o.stream == stream and o.kind == kind and o.seconds]
                 ax.broken_barh(bars, (y - 0.4, 0.8), color=colour, label=kind if i == j == 0 else None)

@@ -6,13 +6,14 @@ The baselines' code is ``ragged/_baselines.py``, in the core, because ``plan`` a
 Megatron-FSDP's packing as a candidate (so it never pads more than Megatron-FSDP).
 """
 
-from ragged._baselines import BASELINES, BaselineLayout, baseline_layouts
+from ragged._baselines import BASELINES, BaselineLayout, baseline_layouts, fsdp2
 from ragged.bench._sweep import SWEEP_GRANULARITIES, SWEEP_MODELS, SWEEP_WORLD_SIZES, SweepRow, padding_sweep
 
 __all__ = [
     "BASELINES",
     "BaselineLayout",
     "baseline_layouts",
+    "fsdp2",
     "SWEEP_MODELS",
     "SWEEP_WORLD_SIZES",
     "SWEEP_GRANULARITIES",

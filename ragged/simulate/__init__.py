@@ -12,7 +12,7 @@ from ragged.simulate._efficiency import Efficiency
 from ragged.simulate._hardware import PROFILES, Hardware, hardware, load_hardware
 from ragged.simulate._schedule import Op, UnitTimes
 from ragged.simulate._step import StepConfig, StepResult, simulate
-from ragged.simulate._timeline_svg import timeline_svg
+from ragged.simulate._timeline_svg import TIMELINE_COLORS, timeline_svg
 from ragged.simulate._workload import METHODS, Method, UnitCost
 
 __all__ = [
@@ -39,5 +39,6 @@ __all__ = [
     "ring_link",
     "ring_time",
     "simulate",
+    "TIMELINE_COLORS",
     "timeline_svg",
 ]

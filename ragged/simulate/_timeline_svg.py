@@ -13,7 +13,7 @@ from xml.sax.saxutils import escape, quoteattr
 from ragged.simulate._schedule import COMM, COMPUTE
 from ragged.simulate._step import StepResult
 
-COLORS = {"forward": "#4e79a7", "backward": "#76b7b2", "optimizer": "#59a14f", "copy_out": "#e15759",
+TIMELINE_COLORS = {"forward": "#4e79a7", "backward": "#76b7b2", "optimizer": "#59a14f", "copy_out": "#e15759",
           "copy_in": "#ff9da7", "all_gather": "#f28e2b", "reduce_scatter": "#b07aa1", "all_reduce": "#9c755f"}
 ROW, LEFT, RIGHT = 16, 96, 12
 
@@ -36,7 +36,8 @@ def timeline_svg(results: Sequence[StepResult], width: int = 960) -> str:
                     continue
                 parts.append(
                     f'<rect class="{o.kind}" x="{LEFT + o.start * scale:.2f}" y="{y}" '
-                    f'width="{max(o.seconds * scale, 0.3):.2f}" height="{ROW}" fill="{COLORS[o.kind]}" '
+                    f'width="{max(o.seconds * scale, 0.3):.2f}" height="{ROW}" '
+                    f'fill="{TIMELINE_COLORS[o.kind]}" '
                     f'data-kind="{o.kind}" data-unit={quoteattr(o.unit)} data-start="{o.start:.6g}" '
                     f'data-seconds="{o.seconds:.6g}"><title>{escape(o.unit)} {o.phase} {o.kind}: '
                     f'{1e3 * o.seconds:.3f} ms at {1e3 * o.start:.3f} ms</title></rect>')
@@ -50,7 +51,7 @@ def timeline_svg(results: Sequence[StepResult], width: int = 960) -> str:
                      f'<text x="{x:.2f}" y="{y + 12}" text-anchor="middle">{1e3 * t:,.0f} ms</text>')
     y += 20
     cx = 4.0
-    for kind, colour in COLORS.items():
+    for kind, colour in TIMELINE_COLORS.items():
         parts.append(f'<rect x="{cx:.1f}" y="{y}" width="9" height="9" fill="{colour}"/>'
                      f'<text x="{cx + 12:.1f}" y="{y + 9}">{kind}</text>')
         cx += 24 + 6.2 * len(kind)

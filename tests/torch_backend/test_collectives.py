@@ -1,4 +1,4 @@
-"""``torch_backend._collectives`` on gloo (the all-gather, and the reduce-scatter by an all-to-all and a
+"""``torch_backend.collectives`` on gloo (the all-gather, and the reduce-scatter by an all-to-all and a
 local sum) against numpy.
 
 Each rank's buffer is drawn from a generator seeded by its rank, so every rank can rebuild all of them:
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tests.torch_backend._dist import launch, run_cases
 from torch_backend import debug_counter
-from torch_backend._collectives import all_gather, reduce_scatter
+from torch_backend.collectives import all_gather, reduce_scatter
 
 SHARD = 1_001  # odd: chunk boundaries fall anywhere
 
