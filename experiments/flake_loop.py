@@ -7,8 +7,8 @@ ranks); the selection is printed and recorded, so a file the patterns miss shows
 erroring test (its node id and the first lines of its message, from pytest's JUnit XML), a pytest process
 that ends abnormally after its tests passed (a crash at exit, e.g. SIGABRT), or a demo that exits non-zero.
 Nothing is retried. The report is rewritten after every round, so a loop cut short keeps what it ran;
-``--resume`` continues it while the code is unchanged (only ``experiments/results`` may differ from the
-commit it started on).
+``--resume`` continues it while the code is unchanged (only ``NOT_CODE`` may differ from the commit it
+started on).
 
     python -m experiments.flake_loop     # 20 rounds; writes experiments/results/flake_loop.{md,json}
     python -m experiments.flake_loop --resume   # the rounds an earlier, cut-short loop did not run
@@ -100,9 +100,14 @@ def checkout() -> dict:
     return {"commit": _git("rev-parse", "HEAD").stdout.strip(), "dirty": dirty}
 
 
+# What a round cannot read, so it may change while a loop is resumed: the results, the prose (no test of
+# the selection reads docs/ or a .md file), and this driver (it runs the tests; none runs it).
+NOT_CODE = ("experiments/results", "docs", "*.md", "experiments/flake_loop.py")
+
+
 def same_code(commit: str) -> bool:
-    """The checkout's tracked files equal ``commit``'s, but for ``experiments/results``."""
-    return _git("diff", "--quiet", commit, "--", ".", ":(exclude)experiments/results").returncode == 0
+    """The checkout's tracked files equal ``commit``'s, but for ``NOT_CODE``."""
+    return _git("diff", "--quiet", commit, "--", ".", *(f":(exclude){p}" for p in NOT_CODE)).returncode == 0
 
 
 def machine() -> dict:
