@@ -52,8 +52,9 @@ def _first_lines(text: str) -> str:
     return "\n".join(text.strip().splitlines()[:MESSAGE_LINES])
 
 
-def run_tests(files: list[str], timeout_s: float) -> tuple[int, list[dict]]:
-    """One pytest process over ``files``; returns the number of tests and the failures."""
+def run_tests(files: list[str], timeout_s: float) -> tuple[int, list[dict], dict[str, float]]:
+    """One pytest process over ``files``; returns the number of tests, the failures and each file's
+    seconds (its tests' times, from the JUnit XML)."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *files]
@@ -61,13 +62,15 @@ def run_tests(files: list[str], timeout_s: float) -> tuple[int, list[dict]]:
             done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             return 0, [{"test": "pytest", "message": f"did not finish within {timeout_s:.0f} s\n"
-                        + _first_lines((e.stdout or b"")[-3000:].decode(errors="replace"))}]
+                        + _first_lines((e.stdout or b"")[-3000:].decode(errors="replace"))}], {}
         if not xml.exists():
             return 0, [{"test": "pytest", "message": f"exit {done.returncode}, no report:\n"
-                        + _first_lines(done.stdout[-3000:] + done.stderr[-3000:])}]
-        failures, count = [], 0
+                        + _first_lines(done.stdout[-3000:] + done.stderr[-3000:])}], {}
+        failures, count, seconds = [], 0, {}
         for case in ET.parse(xml).iter("testcase"):
             count += 1
+            where = case.get("classname", "").replace(".", "/") + ".py"
+            seconds[where] = seconds.get(where, 0.0) + float(case.get("time") or 0)
             for bad in [*case.iter("failure"), *case.iter("error")]:
                 name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
                 failures.append({"test": name, "message": _first_lines(
@@ -76,7 +79,7 @@ def run_tests(files: list[str], timeout_s: float) -> tuple[int, list[dict]]:
             # the tests passed (or their failures are listed) but the process itself ended abnormally
             failures.append({"test": "pytest process", "message": f"exit {done.returncode} after the tests:\n"
                              + _first_lines(done.stderr[-3000:] or done.stdout[-3000:])})
-        return count, failures
+        return count, failures, seconds
 
 
 def run_demo(args: list[str], timeout_s: float) -> list[dict]:
@@ -134,6 +137,13 @@ def markdown(report: dict) -> str:
         "Test files: " + ", ".join(f"`{f}`" for f in report["test_files"]),
         "",
     ]
+    if report.get("round_s"):
+        timed = len(report["round_s"])
+        slowest = sorted(report.get("file_s", {}).items(), key=lambda kv: -kv[1])[:8]
+        minutes = sum(report["round_s"]) / timed / 60
+        lines += [f"Rounds recorded with times: {timed}, {minutes:.1f} min each on average; slowest files, "
+                  "seconds per round: "
+                  + ", ".join(f"`{f}` {t / timed:.0f}" for f, t in slowest) + ".", ""]
     if report["failures"]:
         lines += ["| round | test | message |", "|---|---|---|"]
         for f in report["failures"]:
@@ -188,12 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(report["rounds"] + 1, args.rounds + 1):
         start, found = time.time(), []
         if files:
-            report["tests_per_round"], found = run_tests(files, args.timeout_min * 60)
+            report["tests_per_round"], found, seconds = run_tests(files, args.timeout_min * 60)
+            file_s = report.setdefault("file_s", {})
+            for f, t in seconds.items():
+                file_s[f] = file_s.get(f, 0.0) + t
         if args.demo:
             found += run_demo(args.demo_args.split(), args.timeout_min * 60)
         report["failures"] += [{"round": r, **f} for f in found]
         report["failed_rounds"] = len({f["round"] for f in report["failures"]})
         report["rounds"], report["wall_s"] = r, report["wall_s"] + time.time() - start
+        report.setdefault("round_s", []).append(round(time.time() - start, 1))
         (args.out / "flake_loop.json").write_text(json.dumps(report, indent=1))
         (args.out / "flake_loop.md").write_text(markdown(report))
         print(f"round {r}/{args.rounds}: {len(found)} failure(s)"
