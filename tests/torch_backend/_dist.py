@@ -3,7 +3,8 @@
 One launch per (test module, world size): every worker initialises a gloo process group with a short
 timeout, loads the test module from its file, runs ``checks(rank, world_size, *args)`` -- which returns
 ``{case name: None | error text}`` -- and sends the dict back. A worker that hangs is killed when the
-launch times out, and the failure names the ranks that did not answer.
+launch times out, and the failure names the ranks that did not answer and shows where each was: every
+thread's Python stack, which the worker writes on SIGUSR1 (faulthandler) just before it is killed.
 
 Workers meet through a file in a directory of the launch (no port to probe, so none another job can
 take in between), and leave as ``experiments._distributed.leave_and_exit`` explains: barrier, destroy,
@@ -13,11 +14,15 @@ would abort (SIGABRT, "terminate called without an active exception").
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import importlib.util
 import os
 import queue as queue_mod
+import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -46,6 +51,8 @@ def _worker(
     import torch.distributed as dist
 
     finished = False
+    stacks = open(_stacks_file(workdir, rank), "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank,
@@ -66,6 +73,24 @@ def _worker(
     os._exit(0)
 
 
+def _stacks_file(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"stacks_{rank}")
+
+
+def _stacks_of_silent(procs: list, workdir: str, results: dict) -> dict[int, str]:
+    """Every thread's stack of each live rank that did not answer (SIGUSR1: faulthandler writes them)."""
+    silent = {r: p for r, p in enumerate(procs) if r not in results and p.pid is not None and p.is_alive()}
+    for p in silent.values():
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    out = {}
+    for r in silent:
+        with contextlib.suppress(OSError):
+            with open(_stacks_file(workdir, r)) as f:
+                out[r] = f.read()
+    return out
+
+
 def collect(path: str, fn: str, world: int, *args: object, answers: int | None = None,
             timeout_s: float = 90.0, pg_timeout_s: float = 20.0) -> dict[int, Results]:
     """Run ``fn(rank, world, *args)`` of the module at ``path`` on ``world`` gloo workers.
@@ -75,7 +100,8 @@ def collect(path: str, fn: str, world: int, *args: object, answers: int | None =
     (a killed or hung rank never answers).
 
     Returns:
-        ``{rank: result}`` for the ranks that answered.
+        ``{rank: result}`` for the ranks that answered, and ``{rank: {"<worker>": where its threads
+        were}}`` for a live rank that did not.
     """
     timeout_s *= float(os.environ.get(TIMEOUT_SCALE_ENV, "1"))
     ctx = worker_context()  # a forkserver: workers fork from it, never from pytest, which may hold jax
@@ -94,6 +120,9 @@ def collect(path: str, fn: str, world: int, *args: object, answers: int | None =
                 try:
                     rank, res = out.get(timeout=timeout_s)
                 except queue_mod.Empty:
+                    for rank, stacks in _stacks_of_silent(procs, workdir, results).items():
+                        results[rank] = {"<worker>": f"rank {rank} did not answer within {timeout_s}s; "
+                                                     f"its threads:\n{stacks}"}
                     break
                 results[rank] = res
         finally:

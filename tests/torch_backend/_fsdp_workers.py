@@ -296,6 +296,13 @@ def _layouts(mesh) -> dict:
 
 
 # ----- faults ---------------------------------------------------------------------------------------
+def sleep_checks(rank: int, world: int, seconds: float) -> dict:
+    """The last rank sleeps (a hang outside any collective, which no process group timeout ends)."""
+    if rank == world - 1:
+        time.sleep(seconds)
+    return {"slept": rank == world - 1}
+
+
 def fault_checks(rank: int, world: int, ckpt_dir: str, how: str) -> dict:
     """Rank ``world - 1`` dies (``kill``: ``os._exit``; ``raise``: an exception), stops answering
     (``hang``) in the middle of a step, or dies while writing a checkpoint (``kill_saving``); the
