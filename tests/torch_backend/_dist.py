@@ -83,11 +83,11 @@ def _stacks_of_silent(procs: list, workdir: str, results: dict) -> dict[int, str
     for p in silent.values():
         os.kill(p.pid, signal.SIGUSR1)
     time.sleep(1.0)
-    out = {}
+    out = {r: "(none written: the process had not reached the worker function)" for r in silent}
     for r in silent:
         with contextlib.suppress(OSError):
             with open(_stacks_file(workdir, r)) as f:
-                out[r] = f.read()
+                out[r] = f.read() or out[r]
     return out
 
 
