@@ -72,7 +72,7 @@ def run_tests(files: list[str], timeout_s: float) -> tuple[int, list[dict], dict
             where = case.get("classname", "").replace(".", "/") + ".py"
             seconds[where] = seconds.get(where, 0.0) + float(case.get("time") or 0)
             for bad in [*case.iter("failure"), *case.iter("error")]:
-                name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+                name = f"{where}::{case.get('name')}"
                 failures.append({"test": name, "message": _first_lines(
                     (bad.get("message") or "") + "\n" + (bad.text or ""))})
         if done.returncode not in (0, 1) or (done.returncode == 1 and not failures):
