@@ -44,10 +44,14 @@ def leave_and_exit(code: int = 0) -> NoReturn:
 
 
 # What a CPU launch's forkserver imports once, before it forks the ranks: each rank would otherwise import
-# torch afresh, several seconds apiece on 2 cores. $RAGGED_WORKER_PRELOAD adds modules (space-separated): the
-# test suite's (tests/conftest.py) and experiments/bug_injection.py's, which patches the runtime in every
-# worker. One process has one forkserver, started by its first launch: every launcher takes this list.
-WORKER_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch_backend"]
+# torch afresh, several seconds apiece on 2 cores. torch._dynamo too: torch imports it lazily, at the first
+# call of anything marked ``torch._disable_dynamo`` (an optimizer's step or zero_grad, a meta-device init),
+# which nearly every rank makes (2-4 s each on 2 cores). $RAGGED_WORKER_PRELOAD adds modules
+# (space-separated): the test suite's (tests/conftest.py) and experiments/bug_injection.py's, which patches
+# the runtime in every worker. One process has one forkserver, started by its first launch: every launcher
+# takes this list.
+WORKER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.checkpoint",
+                  "torch_backend"]
 WORKER_PRELOAD_ENV = "RAGGED_WORKER_PRELOAD"
 
 

@@ -1,10 +1,11 @@
 """The torch stack of ``experiments.train``: torchrun processes, meta-device model, ``fully_shard``, DCP.
 
 Launched by ``torchrun`` (or as one plain process): NCCL with one GPU per process (``LOCAL_RANK``) when CUDA
-is there, gloo on CPU otherwise. The model (a ``Llama`` or an ``MoEDecoder``) is built on the meta device
-and sharded; its values are then written one FSDP unit at a time (``unsharded(unit)`` +
-``init_weights(only=...)``), so a rank holds its shards plus at most one unit in full, and the values equal
-a single-process init with the same seed.
+is there, gloo on CPU otherwise; a caller that initialised a process group itself (a notebook, its own
+launcher: the tests fork their ranks from a preloaded server) trains in that group, and keeps it. The model
+(a ``Llama`` or an ``MoEDecoder``) is built on the meta device and sharded; its values are then written one
+FSDP unit at a time (``unsharded(unit)`` + ``init_weights(only=...)``), so a rank holds its shards plus at
+most one unit in full, and the values equal a single-process init with the same seed.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from experiments._train.data import TokenSource
 from experiments._train.metrics import Monitor, peak_tflops
 
 
-def init_distributed(device: str) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun describes (or a 1-process group); returns rank, world, device."""
+def init_distributed(device: str) -> tuple[int, int, torch.device, bool]:
+    """Join the process group torchrun describes (or a 1-process group), or keep the one the caller already
+    initialised; returns rank, world, device, and whether the group is this run's own (to destroy at its
+    end: a caller's group outlives the run)."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -41,6 +44,8 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
         dev = torch.device("cuda", local)
     else:
         dev = torch.device("cpu")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), dev, False
     backend = "nccl" if use_cuda else "gloo"
     timeout = datetime.timedelta(minutes=10)
     if "RANK" in os.environ:
@@ -48,7 +53,7 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
     else:  # one plain process: a private file store, no port to pick
         store = dist.FileStore(tempfile.mktemp(prefix="ragged-train-"), 1)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), dev
+    return dist.get_rank(), dist.get_world_size(), dev, True
 
 
 def world_size_from_env() -> int:
@@ -167,7 +172,7 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
     """Train; ``plan_check(world, capacity)`` refuses a run that does not fit, before anything is built."""
     from torch_backend import debug_counter
 
-    rank, world, dev = init_distributed(args.device)
+    rank, world, dev, own_group = init_distributed(args.device)
     try:
         capacity = torch.tensor([device_capacity(dev)], dtype=torch.int64, device=dev)
         dist.all_reduce(capacity, dist.ReduceOp.MIN)  # one number on every rank: all refuse, or none
@@ -229,4 +234,5 @@ def run(args, config: ragged.models.LlamaConfig | ragged.models.MoeConfig, plan_
         dist.barrier()  # no rank closes its connections while a peer is still in a collective
         return summary
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()

@@ -2,14 +2,14 @@
 
 The distributed runs are checked against plain single-process training (an unsharded ``Llama`` or
 ``MoEDecoder``, the same init and batches, ``torch.optim.AdamW``), and a run killed after a checkpoint must
-resume bit for bit.
+resume bit for bit. One test launches through the ``torchrun`` CLI (killed, then relaunched); the others fork
+their ranks from the tests' preloaded forkserver (``_train_launch.torch_ranks``: the same ``main``, the
+environment torchrun gives each worker, a fraction of a second to start instead of several per process).
 """
 
 from __future__ import annotations
 
 import re
-import resource
-import sys
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ import ragged
 import ragged.models
 from experiments._train.data import TokenSource
 from experiments.train import main
-from tests.experiments._train_launch import LOSS_RTOL, TINY, losses, run, torchrun
+from tests.experiments._train_launch import LOSS_RTOL, TINY, losses, torch_ranks, torchrun
 
 STEPS, LR, WD = 5, 3e-3, 0.1
 
@@ -69,14 +69,14 @@ def test_torchrun_two_gloo_processes_match_plain_training_and_resume_bit_exactly
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_torchrun_tensor_parallel_matches_plain_training(tmp_path, optimizer):
+def test_tensor_parallel_matches_plain_training(tmp_path, optimizer):
     """``--tp 2`` on 4 gloo processes: a (dp 2, tp 2) mesh, torchtitan's plan with sequence parallel and loss
     parallel (the loss on each TP rank's vocabulary half), then fully_shard on dp; the meta-device init
     writes each TP rank's part, and every step's loss equals plain single-process training with the same
     optimizer (Muon gathers each matrix over dp and tp)."""
     args = [*TINY, "--steps", str(STEPS), "--lr", str(LR), "--weight-decay", str(WD), "--tp", "2",
             "--optimizer", optimizer, "--checkpoint-dir", str(tmp_path / "ckpt")]
-    result = torchrun(4, args)
+    result = torch_ranks(4, args)
     assert result.returncode == 0, result.stderr[-3000:]
     got = losses(tmp_path / "ckpt" / "log.jsonl")
     np.testing.assert_allclose([got[s] for s in range(STEPS)], plain_torch_losses(STEPS, optimizer),
@@ -120,12 +120,12 @@ def plain_moe_losses(name: str, steps: int, ranks: int) -> list[float]:
 
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "gpt-oss-tiny", "deepseek-v3-tiny"])
-def test_torchrun_trains_the_moe_presets_like_plain_training(tmp_path, name):
+def test_trains_the_moe_presets_like_plain_training(tmp_path, name):
     """The MoE presets train as MoE decoders (both expert storages, both routers) on 2 gloo processes."""
     args = ["--model", name, "--dtype", "fp32", "--batch", "4", "--seq-len", "16", "--no-progress",
             "--steps", "3",
             "--lr", str(LR), "--weight-decay", str(WD), "--checkpoint-dir", str(tmp_path)]
-    result = torchrun(2, args)
+    result = torch_ranks(2, args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{name}: MoE: " in result.stderr
     got = losses(tmp_path / "log.jsonl")
@@ -141,9 +141,9 @@ def test_ep_trains_like_plain_training_and_its_checkpoint_resumes_without_ep(tmp
     args = ["--model", name, "--dtype", "fp32", "--batch", "4", "--seq-len", "16", "--no-progress",
             "--lr", str(LR), "--weight-decay", str(WD), "--checkpoint-dir", str(tmp_path),
             "--save-interval", "2"]
-    first = torchrun(2, [*args, "--steps", "2", "--ep", "2"])
+    first = torch_ranks(2, [*args, "--steps", "2", "--ep", "2"])
     assert first.returncode == 0, first.stderr[-3000:]
-    second = torchrun(2, [*args, "--steps", "4"])
+    second = torch_ranks(2, [*args, "--steps", "4"])
     assert second.returncode == 0, second.stderr[-3000:]
     got = losses(tmp_path / "log.jsonl")
     np.testing.assert_allclose([got[s] for s in range(4)], plain_moe_losses(name, 4, ranks=2), rtol=1e-5)
@@ -156,9 +156,9 @@ def test_ep_with_hsdp_trains_like_plain_training_and_resumes_as_plain_hsdp(tmp_p
     args = ["--model", "gpt-oss-tiny", "--dtype", "fp32", "--batch", "4", "--seq-len", "16", "--no-progress",
             "--lr", str(LR), "--weight-decay", str(WD), "--checkpoint-dir", str(tmp_path),
             "--save-interval", "2", "--hsdp", "2"]
-    first = torchrun(4, [*args, "--steps", "2", "--ep", "2"])
+    first = torch_ranks(4, [*args, "--steps", "2", "--ep", "2"])
     assert first.returncode == 0, first.stderr[-3000:]
-    second = torchrun(4, [*args, "--steps", "4"])
+    second = torch_ranks(4, [*args, "--steps", "4"])
     assert second.returncode == 0, second.stderr[-3000:]
     got = losses(tmp_path / "log.jsonl")
     np.testing.assert_allclose([got[s] for s in range(4)], plain_moe_losses("gpt-oss-tiny", 4, ranks=4),
@@ -180,25 +180,23 @@ def test_adam8bit_state_resumes_bit_exactly(tmp_path):
 
     Checkpoint after steps 0 and 1, killed after step 3: step 2's loss needs only the weights back, step 3's
     also the optimizer state of step 2's update."""
-    args = [sys.executable, "-m", "experiments.train", "--stack", "torch", *TINY, "--optimizer", "adam8bit",
-            "--steps", "4", "--checkpoint-dir", str(tmp_path), "--save-interval", "2"]
-    assert run([*args, "--fail-after-step", "3"]).returncode != 0
+    args = [*TINY, "--optimizer", "adam8bit", "--steps", "4", "--checkpoint-dir", str(tmp_path),
+            "--save-interval", "2"]
+    assert torch_ranks(1, [*args, "--fail-after-step", "3"]).returncode != 0
     before = losses(tmp_path / "log.jsonl")
-    resumed = run(args)
+    resumed = torch_ranks(1, args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = losses(tmp_path / "log.jsonl")
     assert [after[2], after[3]] == [before[2], before[3]]
 
 
 def test_a_preset_too_large_is_refused_before_allocating():
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    result = run([sys.executable, "-m", "experiments.train", "--stack", "torch", "--model", "llama3-405b",
-                  "--no-progress", "--steps", "1"])
+    result = torch_ranks(1, ["--model", "llama3-405b", "--no-progress", "--steps", "1"])
     assert result.returncode != 0
     assert "out of memory: llama3-405b needs about" in result.stderr
     assert "refused before allocating" in result.stderr
     # The process never came near the model's size (405 B parameters are 1.6 TB in fp32).
-    assert max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) < 4 * 2**20  # KiB: 4 GiB
+    assert 0 < result.peak_rss_kib < 4 * 2**20  # KiB: 4 GiB
 
 
 def test_dry_run_prints_the_plan_of_the_core(capsys):
