@@ -126,8 +126,17 @@ def train_references(apply, params, loss_fn, datasets, opt=None, micro_batches: 
     opt = adamw() if opt is None else opt
 
     def loss_of(q, x, y):
-        blocks = zip(jnp.split(x, micro_batches), jnp.split(y, micro_batches))
-        return jnp.mean(jnp.stack([_with_aux(loss_fn(apply(q, xb), yb))[0] for xb, yb in blocks]))
+        if micro_batches == 1:
+            return _with_aux(loss_fn(apply(q, x), y))[0]
+        # The blocks by a scan: one block's forward and backward in the program, not micro_batches copies
+        # (llama-tiny's bf16 reference in 4 blocks: 3.9 s of CPU to compile, 8.1 s unrolled), and the same
+        # training bit for bit (measured there): each block's cotangent of q still reaches q's dtype
+        # apart (a bf16 copy's, rounded per block), then the blocks' are summed.
+        def block(_, xy):
+            return None, _with_aux(loss_fn(apply(q, xy[0]), xy[1]))[0]
+
+        split = lambda a: a.reshape(micro_batches, a.shape[0] // micro_batches, *a.shape[1:])  # noqa: E731
+        return jnp.mean(jax.lax.scan(block, None, (split(x), split(y)))[1])
 
     @jax.jit
     def step(p, s, x, y):

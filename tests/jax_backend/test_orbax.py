@@ -11,6 +11,8 @@ model state case with flax on one device."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -57,22 +59,42 @@ def leaves_equal(a: dict, b: dict) -> bool:
         for k in a)
 
 
-def llama_steps(fsdp, opt, buffers, state, batches):
-    step, losses = fsdp.train_step(opt, cross_entropy), []
+OPT = adamw()
+
+
+@pytest.fixture(scope="module")
+def llama_runs(model64):
+    """``(fsdp, gspmd)`` of the float64 llama by mesh key, each step built once per module: 8 devices is
+    one case's target and the other's source, so its two steps are traced and lowered once, not twice."""
+    @functools.cache
+    def fsdp(mesh_key):
+        """The FSDP there and its AdamW step."""
+        fsdp = mesh_fsdp(model64, mesh_key)
+        return fsdp, fsdp.train_step(OPT, cross_entropy)
+
+    steps = {}
+
+    def gspmd(mesh_key):
+        """The GSPMD step there and a fresh carry (the step donates its carry)."""
+        shape, names = MESHES[mesh_key]
+        step, carry = gspmd_step(model64, cross_entropy, OPT, make_mesh(shape, names), data_axes=names)
+        return steps.setdefault(mesh_key, step), carry
+
+    return fsdp, gspmd
+
+
+def train_llama(step, buffers, state, batches):
+    losses = []
     for b in batches:
         buffers, state, loss = step(buffers, state, b[:, :-1], b[:, 1:])
         losses.append(float(loss))
     return buffers, state, losses
 
 
-def gspmd_resumed(tmp_path, model, batches, source, target, use_async) -> tuple[list[float], dict]:
+def gspmd_resumed(tmp_path, gspmd, batches, source, target, use_async) -> tuple[list[float], dict]:
     """The same case under GSPMD: half the steps on ``source``, its step's carry (params, AdamW's state,
     model state) through Orbax, restored with ``target``'s shardings, the rest there."""
-    opt, half, losses = adamw(), len(batches) // 2, []
-
-    def gspmd(mesh_key):
-        shape, names = MESHES[mesh_key]
-        return gspmd_step(model, cross_entropy, opt, make_mesh(shape, names), data_axes=names)
+    half, losses = len(batches) // 2, []
 
     def train(step, carry, data):
         for b in data:
@@ -92,31 +114,30 @@ def gspmd_resumed(tmp_path, model, batches, source, target, use_async) -> tuple[
 
 
 @pytest.mark.parametrize("source, target, use_async", [(4, 8, True), (8, "2x4", False)])
-def test_llama_resumes_from_orbax_on_another_mesh(tmp_path, x64, model64, batches, reference, source,
-                                                  target, use_async):
+def test_llama_resumes_from_orbax_on_another_mesh(tmp_path, x64, model64, batches, reference, llama_runs,
+                                                  source, target, use_async):
     """Half the reference's steps on ``source``, an Orbax checkpoint (params and AdamW's state), the rest
     on ``target`` after restoring, in float64: single-device training's result within the float64 bound
     (jax_reference.float64_bound)."""
-    opt, half = adamw(), len(batches) // 2
-    model = model64
-    fsdp = mesh_fsdp(model, source)
-    buffers = fsdp.shard_params(model_params(model))
-    buffers, state, losses = llama_steps(fsdp, opt, buffers, fsdp.init(opt, buffers), batches[:half])
+    run_fsdp, run_gspmd = llama_runs
+    (fsdp, step), (other, other_step) = run_fsdp(source), run_fsdp(target)
+    opt, half = OPT, len(batches) // 2
+    buffers = fsdp.shard_params(model_params(model64))
+    buffers, state, losses = train_llama(step, buffers, fsdp.init(opt, buffers), batches[:half])
     saved = fsdp.checkpoint_tree(buffers, opt, state)
     with manager(tmp_path, use_async) as mngr:
         mngr.save(half, args=ocp.args.StandardSave(saved))
         mngr.wait_until_finished()
-        other = mesh_fsdp(model, target)
         assert other.layouts[1].shard_size != fsdp.layouts[1].shard_size  # another layout: re-planned
         restored = mngr.restore(half, args=ocp.args.StandardRestore(other.abstract_checkpoint_tree(opt)))
     assert leaves_equal(restored, saved)
     buffers, state, model_state = other.from_checkpoint_tree(restored, opt)
     assert model_state is None  # llama keeps no state besides its Params
     assert leaves_equal(other.checkpoint_tree(buffers, opt, state), saved)  # and back, bit for bit
-    buffers, state, more = llama_steps(other, opt, buffers, state, batches[half:])
+    buffers, state, more = train_llama(other_step, buffers, state, batches[half:])
     params = {k: np.asarray(v) for k, v in other.full_params(buffers).items()}
     assert_float64_parity(losses + more, params, reference)
-    baseline = gspmd_resumed(tmp_path / "gspmd", model, batches, source, target, use_async)
+    baseline = gspmd_resumed(tmp_path / "gspmd", run_gspmd, batches, source, target, use_async)
     assert_float64_parity(*baseline, reference)  # the baseline resumes right too
     assert_float64_parity(losses + more, params, baseline)  # and ours equals it
 
