@@ -190,18 +190,38 @@ def train(model, opt, name: str, rank: int, world: int, steps: range,
     return losses
 
 
-def case(name: str, mesh, rank: int, world: int, bf16: bool) -> dict:
+def reference_job(name: str, world: int, dtype: torch.dtype, order: int | None = None,
+                  sum_dtype: torch.dtype | None = None, optimizer=adamw) -> tuple[tuple, Callable]:
+    """``reference``'s training as a ``_dist.shared`` job, keyed by what it trains: the cases of a launch
+    that compare with the same training name it alike (``with_references`` trains it once)."""
+    key = (name, world, str(dtype), order, str(sum_dtype), optimizer.__name__)
+    return key, functools.partial(reference, name, world, dtype, optimizer, order, sum_dtype)
+
+
+def case_jobs(name: str, world: int, bf16: bool) -> dict[str, tuple]:
+    """``case``'s references: ``{label: (key, job)}``."""
+    jobs = {"full": reference_job(name, world, torch.float32 if bf16 else FULL)}
+    if bf16:
+        jobs |= {k: reference_job(name, world, torch.bfloat16, k) for k in (None, *range(SPREAD_ORDERS))}
+    return jobs
+
+
+def share(jobs: dict[str, tuple], refs: dict | None) -> dict:
+    """``{label: result}`` of ``jobs`` (``{label: (key, job)}``): from ``refs`` (``{key: result}``, every
+    reference of the launch trained at once), or trained now over the ranks."""
+    if refs is None:
+        refs = shared(dict(jobs.values()))
+    return {label: refs[key] for label, (key, _) in jobs.items()}
+
+
+def case(name: str, mesh, rank: int, world: int, bf16: bool, refs: dict | None = None) -> dict:
     """Trained in float64 (its reference ``full`` too), or under the bf16 policy with fp32 masters (then
     ``full`` is fp32 training, ``policy`` the FSDP-free policy reference, and ``orders`` that reference's
-    SPREAD_ORDERS other orders' distances from it). The references are trained once over the ranks."""
+    SPREAD_ORDERS other orders' distances from it). ``refs``: the launch's references (``share``)."""
     full = torch.float32 if bf16 else FULL
     losses, params, routes = sharded(name, mesh, rank, world, bf16, master=full)
     out = {"routes": routes, "top_k": config(name).top_k, "n_experts": config(name).n_experts}
-    jobs = {"full": functools.partial(reference, name, world, full)}
-    if bf16:
-        jobs |= {order: functools.partial(reference, name, world, torch.bfloat16, order=order)
-                 for order in (None, *range(SPREAD_ORDERS))}
-    refs = shared(jobs)
+    refs = share(case_jobs(name, world, bf16), refs)
     if rank == 0:
         for label, key in [("full", "full")] + ([("policy", None)] if bf16 else []):
             want_losses, want_params = refs[key]
@@ -232,9 +252,25 @@ def global_expert_names(params: dict, name: str, ep_mesh) -> dict:
     return out
 
 
+def ep_dtypes(bf16: bool, full: torch.dtype) -> dict[str, torch.dtype]:
+    return {"full": full, **({"policy": torch.bfloat16} if bf16 else {})}
+
+
+def ep_jobs(name: str, world: int, bf16: bool = False, optimizer=adamw, full: torch.dtype = torch.float32,
+            spread_of: str | None = None) -> dict[str, tuple]:
+    """``ep_case``'s references: ``{label: (key, job)}``."""
+    dtypes = ep_dtypes(bf16, full)
+    jobs = {label: reference_job(name, world, dtype, optimizer=optimizer) for label, dtype in dtypes.items()}
+    if spread_of is not None:
+        sums = torch.bfloat16 if spread_of == "policy" else None
+        jobs |= {f"order {k}": reference_job(name, world, dtypes[spread_of], k, sums, optimizer)
+                 for k in range(SPREAD_ORDERS)}
+    return jobs
+
+
 def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: bool = False, *,
             optimizer=adamw, granularity=None, full: torch.dtype = torch.float32,
-            spread_of: str | None = None) -> dict:
+            spread_of: str | None = None, refs: dict | None = None) -> dict:
     """Expert parallelism on an (ep, fsdp) mesh, every other parameter over all ranks; with ``replicas``
     (HSDP) on a (replicas, ep, fsdp) mesh, the rest on (replicas, ep * fsdp). fp32, or bf16 under the
     mixed-precision policy: then also compared with the policy reference, and that reference with fp32
@@ -246,7 +282,8 @@ def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: 
     expert's over every EP rank's tokens in one bf16 GEMM), and each one's distances from it (``orders``)
     over the tensors (or rows) this rank holds, as the run's: for ``tests.parity.assert_within_spread``
     over every rank's.
-    The references are computed once, spread over the ranks (``_dist.shared``)."""
+    The references are computed once, spread over the ranks (``_dist.shared``), or given: ``refs``, the
+    launch's (``share``)."""
     fsdp = world // (replicas * ep)
     if replicas == 1:
         ep_mesh = init_device_mesh("cpu", (ep, fsdp), mesh_dim_names=("ep", "fsdp"))
@@ -258,14 +295,8 @@ def ep_case(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: 
                                                  granularity, full)
     out = {"rank": rank, "routes": routes, "received": received, "top_k": config(name).top_k,
            "n_experts": config(name).n_experts}
-    dtypes = {"full": full, **({"policy": torch.bfloat16} if bf16 else {})}
-    train = functools.partial(reference, name, world, optimizer=optimizer)
-    jobs = {label: functools.partial(train, dtype) for label, dtype in dtypes.items()}
-    if spread_of is not None:
-        sums = torch.bfloat16 if spread_of == "policy" else None
-        jobs |= {f"order {k}": functools.partial(train, dtypes[spread_of], order=k, sum_dtype=sums)
-                 for k in range(SPREAD_ORDERS)}
-    refs = shared(jobs)
+    dtypes = ep_dtypes(bf16, full)
+    refs = share(ep_jobs(name, world, bf16, optimizer, full, spread_of), refs)
     for label in dtypes:
         want_losses, want = refs[label]
         got, ref = held_and_reference(params, name, ep_mesh, want)
@@ -305,20 +336,36 @@ def held_and_reference(params: dict, name: str, ep_mesh, want: dict) -> tuple[di
     return got, ref
 
 
+def with_references(cases: dict[str, tuple[dict, Callable[[dict], object]]]) -> dict:
+    """``run_cases`` of ``{case: (its references' jobs, run(refs))}``: every reference of the launch first,
+    trained once and side by side (``_dist.shared``; a training that several cases compare with, such as
+    a model's float64 reference at this world size, once), then each case given them."""
+    refs = shared({key: job for jobs, _ in cases.values() for key, job in jobs.values()})
+    return run_cases({label: functools.partial(run, refs) for label, (_, run) in cases.items()})
+
+
+def ep_entry(name: str, rank: int, world: int, ep: int, replicas: int = 1, bf16: bool = False,
+             **kwargs) -> tuple:
+    """``ep_case`` for ``with_references`` (``kwargs``: its ``full`` and ``spread_of``)."""
+    return ep_jobs(name, world, bf16, **kwargs), lambda refs: ep_case(name, rank, world, ep, replicas, bf16,
+                                                                      refs=refs, **kwargs)
+
+
 def checks(rank: int, world: int) -> dict:
     cases = {}
     mesh = init_device_mesh("cpu", (world,))
     for name in MODELS:
-        cases[f"{name}/fp32"] = lambda name=name: case(name, mesh, rank, world, bf16=False)
-        cases[f"{name}/bf16"] = lambda name=name: case(name, mesh, rank, world, bf16=True)
+        for label, bf16 in (("fp32", False), ("bf16", True)):
+            cases[f"{name}/{label}"] = (case_jobs(name, world, bf16), lambda refs, name=name, bf16=bf16: case(
+                name, mesh, rank, world, bf16, refs))
         for ep in {2: (2,), 4: (2, 4)}[world]:
-            cases[f"{name}/ep{ep}"] = lambda name=name, ep=ep: ep_case(name, rank, world, ep, full=FULL)
+            cases[f"{name}/ep{ep}"] = ep_entry(name, rank, world, ep, full=FULL)
     if world == 4:
         skewed = f"gpt-oss-tiny{SKEWED}"
         for ep in (2, 4):
-            cases[f"{skewed}/ep{ep}"] = lambda ep=ep: ep_case(skewed, rank, world, ep, full=FULL)
-        cases["ep-mesh-refused"] = lambda: refused_ep_mesh(("ep", "replicate", "fsdp"))
-    return run_cases(cases)
+            cases[f"{skewed}/ep{ep}"] = ep_entry(skewed, rank, world, ep, full=FULL)
+        cases["ep-mesh-refused"] = ({}, lambda _: refused_ep_mesh(("ep", "replicate", "fsdp")))
+    return with_references(cases)
 
 
 def refused_ep_mesh(dims: tuple[str, ...]) -> str:
@@ -335,15 +382,14 @@ def refused_ep_mesh(dims: tuple[str, ...]) -> str:
 
 def ep_bf16_checks(rank: int, world: int) -> dict:
     """Expert parallelism in bf16 under the mixed-precision policy at (ep, fsdp) = (2, 2) on 4 ranks."""
-    return run_cases({f"{name}/ep2-bf16": lambda name=name: ep_case(name, rank, world, 2, bf16=True,
-                                                                     spread_of="policy")
-                      for name in EP_MODELS})
+    return with_references({f"{name}/ep2-bf16": ep_entry(name, rank, world, 2, bf16=True, spread_of="policy")
+                            for name in EP_MODELS})
 
 
 def hsdp_checks(rank: int, world: int, bf16: bool) -> dict:
     """Expert parallelism with HSDP: (replicas, ep, fsdp) = (2, 2, 2) on 8 ranks, in fp32 (and with routing
     skewed onto EP rank 0's experts) or bf16."""
     names = EP_MODELS + (() if bf16 else (f"gpt-oss-tiny{SKEWED}",))
-    full = torch.float32 if bf16 else FULL
-    return run_cases({f"{name}/hsdp2-ep2": lambda name=name: ep_case(
-        name, rank, world, 2, 2, bf16, full=full, spread_of="policy" if bf16 else None) for name in names})
+    return with_references({f"{name}/hsdp2-ep2": ep_entry(
+        name, rank, world, 2, 2, bf16, full=torch.float32 if bf16 else FULL,
+        spread_of="policy" if bf16 else None) for name in names})

@@ -23,6 +23,7 @@ ranks (``_dist.shared``), not once per rank and case.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -131,17 +132,24 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def clip(model: nn.Module, which: str) -> float:
     """Clip by the total gradient norm and return it: ours over its buffers, the reference with torch's
-    ``clip_grad_norm_``, FSDP2 on full tensors (its parameters may sit on two meshes, which torch's
-    ``clip_grad_norm_`` cannot stack)."""
+    ``clip_grad_norm_``, FSDP2 by hand (its parameters may sit on two meshes, which torch's
+    ``clip_grad_norm_`` cannot stack): each rank's squares of its gradient shards, each over the number of
+    ranks holding that shard (the world over the mesh dims that split it: a power of two, exact), summed
+    by one all-reduce over the world -- the norm of the full gradients, without gathering them."""
     if which == "ours":
         from torch_backend import clip_grad_norm_
 
         return float(clip_grad_norm_(model, MAX_NORM))
     if which == "reference":
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in full]))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]  # DTensors: FSDP2 shards them all
+    squares = torch.zeros((), dtype=grads[0].dtype)
+    for g in grads:  # Shard or FSDP2's _StridedShard (under TP's Shard) split a dim, Replicate copies it
+        assert not any(q.is_partial() for q in g.placements), g.placements  # a partial sum is no shard
+        shards = math.prod(g.device_mesh.size(d) for d, q in enumerate(g.placements) if not q.is_replicate())
+        squares += g.to_local().square().sum() * (shards / dist.get_world_size())
+    dist.all_reduce(squares)
+    total = squares.sqrt()
     coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef)
@@ -195,12 +203,17 @@ def rel(got: list[float], want: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, want))
 
 
-def reference(kind: str, steps: range = range(STEPS), optimizer: str | None = None) -> dict:
-    """Single-process training in ``FULL`` on the whole batch (AdamW, or ``structured_optimizer``)."""
+def reference(kind: str, optimizer: str | None = None, more: int = 0) -> dict:
+    """Single-process training in ``FULL`` on the whole batch (AdamW, or ``structured_optimizer``), STEPS
+    steps; ``more``: then that many steps on, under ``"more"`` (their losses and the parameters after them:
+    what the checkpoint's loaders train on to)."""
     model = build(kind, None, "reference")
-    out, _ = train(model, "reference", steps=steps,
-                   opt=structured_optimizer(optimizer, model) if optimizer else None)
-    return {**out, "params": full_params(model)}
+    out, opt = train(model, "reference", opt=structured_optimizer(optimizer, model) if optimizer else None)
+    ref = {**out, "params": full_params(model)}
+    if more:
+        after, _ = train(model, "reference", steps=range(STEPS, STEPS + more), opt=opt)
+        ref["more"] = {**after, "params": full_params(model)}
+    return ref
 
 
 def micro_reference(kind: str, micro: int, compute: torch.dtype = torch.float32, optimizer: str | None = None,
@@ -241,19 +254,22 @@ def dp_position(mesh: DeviceMesh, dp: tuple[str, ...]) -> tuple[int, int]:
 
 def composed(kind: str, mesh: DeviceMesh, dp: tuple[str, ...], ref: dict, loss_parallel: bool = True,
              dtype: torch.dtype = FULL, orders: list[dict] = (), also: dict | None = None,
-             **shard_kwargs) -> dict:
+             keep: dict | None = None, **shard_kwargs) -> dict:
     """Ours and FSDP2 on the same TP case (the same ``loss_parallel``, models in ``dtype``) against the
     reference ``ref`` and against each other; ours' placements and the logits shape each holds. ``orders``:
     ``ref`` trained in other orders (their distances from it: ``orders``); ``also``: more references, each
-    run's distances from them (``{which}_vs_{label}``)."""
+    run's distances from them (``{which}_vs_{label}``); ``keep``: given, ours' trained model and optimizer
+    are left in it (``"ours"``), for ``dcp_save``."""
     from torch_backend import debug_counter
 
     out, params = {}, {}
     for which in ("ours", "fsdp2"):
         model = build(kind, mesh, which, dp, loss_parallel, dtype, **shard_kwargs)
         with debug_counter() as counter:
-            got, _ = train(model, which, *dp_position(mesh, dp))
+            got, opt = train(model, which, *dp_position(mesh, dp))
         if which == "ours":  # zero-copy with TP too: no bytes copied outside collectives, one reduce per unit
+            if keep is not None:
+                keep["ours"] = model, opt
             out["copy_bytes"] = counter.copy_bytes
             out["reduce_scatters"] = sorted(set(counter.per_label("reduce_scatter").values()))
         params[which] = full_params(model)
@@ -353,15 +369,15 @@ def _saved_file(ckpt_dir: str) -> Path:
     return Path(ckpt_dir) / "tp2x2_full.pt"
 
 
-def dcp_save(mesh: DeviceMesh, ckpt_dir: str) -> dict:
-    """Train our llama STEPS steps at (dp 2, tp 2), save a DCP checkpoint, and keep (rank 0) the full
-    parameters and AdamW state it holds for the loaders to compare with."""
+def dcp_save(trained: dict, ckpt_dir: str, ref: dict) -> dict:
+    """Save a DCP checkpoint of our llama trained STEPS steps at (dp 2, tp 2) (the ``llama`` case's run,
+    ``composed``'s ``keep``), and keep (rank 0) the full parameters and AdamW state it holds for the loaders
+    to compare with, beside ``ref``: the reference of the loaders' step on (``reference``'s ``more``)."""
     from torch_backend import save_dcp_checkpoint
 
-    model = build("llama", mesh, "ours")
-    _, opt = train(model, "ours", *dp_position(mesh, ("dp",)))
+    model, opt = trained["ours"]
     save_dcp_checkpoint(Path(ckpt_dir) / "tp2x2", model, opt)  # FULL: the checkpoint holds float64
-    full = {"params": full_params(model), "state": full_state(model, opt)}
+    full = {"params": full_params(model), "state": full_state(model, opt), "reference": ref}
     if dist.get_rank() == 0:
         torch.save(full, _saved_file(ckpt_dir))
     dist.barrier()
@@ -374,13 +390,14 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
             for n, p in model.named_parameters() for k, v in opt.state[p].items()}
 
 
-def dcp_load(mesh: DeviceMesh, ckpt_dir: str, ref: dict) -> dict:
+def dcp_load(mesh: DeviceMesh, ckpt_dir: str) -> dict:
     """Load the (dp 2, tp 2) checkpoint at this mesh: parameters and AdamW state equal to what was saved
-    (worst absolute difference), then one more step against the reference's step STEPS + 1 (``ref``:
-    ``reference("llama", range(STEPS + 1))``)."""
+    (worst absolute difference), then one more step against the reference's step STEPS + 1 (saved beside
+    them: ``reference("llama", more=1)["more"]``)."""
     from torch_backend import load_dcp_checkpoint
 
     saved = torch.load(_saved_file(ckpt_dir))
+    ref = saved["reference"]
     model = build("llama", mesh, "ours")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     load_dcp_checkpoint(Path(ckpt_dir) / "tp2x2", model, opt)
@@ -389,7 +406,7 @@ def dcp_load(mesh: DeviceMesh, ckpt_dir: str, ref: dict) -> dict:
            "state": max(float((state[k] - v).abs().max()) for k, v in saved["state"].items()),
            "state_keys": sorted(state) == sorted(saved["state"])}
     got, _ = train(model, "ours", *dp_position(mesh, ("dp",)), steps=range(STEPS, STEPS + 1), opt=opt)
-    out["loss"] = rel(got["losses"], ref["losses"][-1:])
+    out["loss"] = rel(got["losses"], ref["losses"])
     out["after"] = rel_errors(full_params(model), ref["params"])
     return out
 
@@ -397,18 +414,17 @@ def dcp_load(mesh: DeviceMesh, ckpt_dir: str, ref: dict) -> dict:
 # ----- checks ---------------------------------------------------------------------------------------
 def references(world: int) -> dict:
     """Every reference a launch of ``world`` ranks compares with, each trained once (``_dist.shared``):
-    float64 AdamW of each model (STEPS + 1 steps for the checkpoint's extra step), float64 Muon, and the
-    fp32 micro-batched references of bf16 and 8-bit Adam with their SPREAD_ORDERS other orders (dp 2, or
-    the 4 data-parallel ranks of HSDP at 8 ranks)."""
-    if world == 2:
-        return shared({"llama +1": functools.partial(reference, "llama", range(STEPS + 1))})
+    float64 AdamW of each model (llama's with the checkpoint's extra step, at 4 ranks: the 2-rank launch
+    finds it in the checkpoint's directory), float64 Muon, and the fp32 micro-batched references of bf16
+    and 8-bit Adam with their SPREAD_ORDERS other orders (dp 2, or the 4 data-parallel ranks of HSDP at 8
+    ranks)."""
     micro = 2 if world == 4 else 4
-    jobs = {"llama": functools.partial(reference, "llama"), "hf": functools.partial(reference, "hf"),
-            "llama muon": functools.partial(reference, "llama", optimizer="muon")}
+    jobs = {"llama": functools.partial(reference, "llama", more=1 if world == 4 else 0),
+            "hf": functools.partial(reference, "hf"),
+            "llama muon": functools.partial(reference, "llama", "muon")}
     spread = [("llama", "adam8bit", torch.float32)]
     if world == 4:
-        jobs |= {"llama +1": functools.partial(reference, "llama", range(STEPS + 1)),
-                 "hf muon": functools.partial(reference, "hf", optimizer="muon")}
+        jobs |= {"hf muon": functools.partial(reference, "hf", "muon")}
         spread += [("hf", "adam8bit", torch.float32), ("llama", None, torch.bfloat16)]
     for kind, optimizer, compute in spread:
         for order in (None, *range(SPREAD_ORDERS)):
@@ -425,18 +441,19 @@ def spread_of(refs: dict, kind: str, optimizer: str | None, compute: torch.dtype
 
 def checks(rank: int, world: int, ckpt_dir: str) -> dict:
     torch.manual_seed(0)
-    refs = references(world)
     if world == 2:  # after the 4-rank launch wrote the checkpoint
         return run_cases({"dcp_load_dp1_tp2": lambda: dcp_load(
-            init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), ckpt_dir, refs["llama +1"])})
+            init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), ckpt_dir)})
+    refs = references(world)
     llama, hf = refs["llama"], refs["hf"]
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         policy, policy_orders = spread_of(refs, "llama", None, torch.bfloat16)
         llama8, llama8_orders = spread_of(refs, "llama", "adam8bit", torch.float32)
         hf8, hf8_orders = spread_of(refs, "hf", "adam8bit", torch.float32)
+        trained: dict = {}  # the llama case's run, which dcp_save checkpoints
         return run_cases({
-            "llama": lambda: composed("llama", mesh, ("dp",), llama),
+            "llama": lambda: composed("llama", mesh, ("dp",), llama, keep=trained),
             "hf": lambda: composed("hf", mesh, ("dp",), hf),
             "llama_gathered_logits": lambda: composed("llama", mesh, ("dp",), llama, loss_parallel=False),
             "llama_bf16": lambda: composed("llama", mesh, ("dp",), policy, dtype=torch.float32,
@@ -447,9 +464,9 @@ def checks(rank: int, world: int, ckpt_dir: str) -> dict:
             "hf_muon": lambda: structured("hf", mesh, "muon", refs["hf muon"]),
             "redistribute": lambda: redistributed(mesh),
             "refusals": lambda: refusals(mesh),
-            "dcp_save": lambda: dcp_save(mesh, ckpt_dir),
+            "dcp_save": lambda: dcp_save(trained, ckpt_dir, llama["more"]),
             "dcp_load_dp4_tp1": lambda: dcp_load(
-                init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp")), ckpt_dir, refs["llama +1"]),
+                init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp")), ckpt_dir),
         })
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
     hsdp = ("replicate", "dp")
