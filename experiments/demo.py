@@ -132,34 +132,40 @@ def torch_fsdp(world_size: int, steps: int, init: Path, workdir: Path,
 
 
 # ----- JAX (in its own process) -------------------------------------------------------------------
-def jax_main(world_size: int, steps: int, init: Path, workdir: Path) -> None:
+def jax_main(world_sizes: list[int], steps: int, init: Path, workdir: Path) -> None:
+    """Train on the first ``n`` host devices for each ``n`` of ``world_sizes``, one after another: writes
+    ``workdir/jax_<n>_final`` and ``workdir/jax_<n>_losses.json``."""
     import optax
     from flax import nnx
 
     from jax_backend import load_neutral_params, make_mesh, save_neutral_checkpoint
     from jax_backend.models import Llama, cross_entropy, parallelize
 
-    mesh = make_mesh((world_size,), ("fsdp",))
-    fsdp = parallelize(Llama(rngs=nnx.Rngs(SEED)), mesh)
-    opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
-    buffers = fsdp.shard_params(load_neutral_params(init))
-    state = fsdp.init(opt, buffers)
-    step_fn = fsdp.train_step(opt, cross_entropy)
-    losses = []
-    for step in range(steps):
-        x, y = batch(step)
-        buffers, state, loss = step_fn(buffers, state, x, y)
-        losses.append(float(loss))
-    save_neutral_checkpoint(workdir / "jax_final", buffers, fsdp.layouts)
-    (workdir / "jax_losses.json").write_text(json.dumps(losses))
+    for world_size in world_sizes:
+        mesh = make_mesh((world_size,), ("fsdp",))
+        fsdp = parallelize(Llama(rngs=nnx.Rngs(SEED)), mesh)
+        opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+        buffers = fsdp.shard_params(load_neutral_params(init))
+        state = fsdp.init(opt, buffers)
+        step_fn = fsdp.train_step(opt, cross_entropy)
+        losses = []
+        for step in range(steps):
+            x, y = batch(step)
+            buffers, state, loss = step_fn(buffers, state, x, y)
+            losses.append(float(loss))
+        save_neutral_checkpoint(workdir / f"jax_{world_size}_final", buffers, fsdp.layouts)
+        (workdir / f"jax_{world_size}_losses.json").write_text(json.dumps(losses))
 
 
-def jax_fsdp(world_size: int, steps: int, init: Path, workdir: Path) -> list[float]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_devices_flags(world_size))
-    subprocess.run([sys.executable, "-m", "experiments.demo", "--jax-worker", "--world-size", str(world_size),
-                    "--steps", str(steps), "--init", str(init), "--workdir", str(workdir)],
+def jax_fsdp(world_sizes: list[int], steps: int, init: Path, workdir: Path) -> dict[int, list[float]]:
+    """``jax_main`` in one process with ``max(world_sizes)`` host devices (one interpreter's imports for
+    every run); returns each world size's losses."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=host_devices_flags(max(world_sizes)))
+    subprocess.run([sys.executable, "-m", "experiments.demo", "--jax-worker", "--world-sizes",
+                    ",".join(map(str, world_sizes)), "--steps", str(steps), "--init", str(init), "--workdir",
+                    str(workdir)],
                    env=env, check=True, cwd=Path(__file__).resolve().parents[1])  # `-m` works from any cwd
-    return json.loads((workdir / "jax_losses.json").read_text())
+    return {n: json.loads((workdir / f"jax_{n}_losses.json").read_text()) for n in world_sizes}
 
 
 # ----- report ------------------------------------------------------------------------------------------
@@ -210,15 +216,13 @@ def run(world_size: int, steps: int) -> DemoResult:
         finally:
             torch.set_num_threads(threads)
         torch_losses = torch_fsdp(world_size, steps, init, workdir)
-        jax_losses = jax_fsdp(world_size, steps, init, workdir)
-        (workdir / "jax_one_device").mkdir()
-        jax_fsdp(1, steps, init, workdir / "jax_one_device")
+        jax_losses = jax_fsdp(sorted({world_size, 1}), steps, init, workdir)[world_size]
         ref = workdir / "reference_final"
         return DemoResult(reference, torch_losses, jax_losses,
                           max_relative_difference(ref, workdir / "torch_final"),
-                          max_relative_difference(ref, workdir / "jax_final"),
+                          max_relative_difference(ref, workdir / f"jax_{world_size}_final"),
                           max_relative_difference(ref, workdir / "data_parallel_final"),
-                          max_relative_difference(ref, workdir / "jax_one_device" / "jax_final"))
+                          max_relative_difference(ref, workdir / "jax_1_final"))
 
 
 def print_plan(world_size: int) -> None:
@@ -243,11 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--jax-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--world-sizes", help=argparse.SUPPRESS)  # the JAX worker's: comma-separated
     parser.add_argument("--init", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.jax_worker:
-        jax_main(args.world_size, args.steps, args.init, args.workdir)
+        jax_main([int(n) for n in args.world_sizes.split(",")], args.steps, args.init, args.workdir)
         return
     if not 1 <= args.world_size <= BATCH or BATCH % args.world_size:
         parser.error(f"--world-size {args.world_size} must divide the batch of {BATCH}")

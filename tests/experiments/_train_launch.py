@@ -167,6 +167,17 @@ def start_jax(nproc: int, args: list[str]) -> list[subprocess.Popen]:
             for i in range(nproc)]
 
 
+def jax_runs(devices: int, runs: list[list[str]], timeout: float = 240) -> subprocess.CompletedProcess:
+    """``experiments.train --stack jax *argv`` for each of ``runs``, one after another in one process on
+    ``devices`` host devices: one interpreter's imports (3-4 s of jax, flax and optax on 2 cores) serve
+    them all. Each run builds its own mesh and programs, as a launch of its own does; ``timeout`` is per
+    run."""
+    code = "import json, sys\nfrom experiments.train import main\nfor argv in json.loads(sys.argv[1]):\n" \
+           "    main(['--stack', 'jax', *argv])"
+    return subprocess.run([sys.executable, "-c", code, json.dumps(runs)], cwd=ROOT, env=env(devices),
+                          capture_output=True, text=True, timeout=timeout * len(runs))
+
+
 def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Wait for every process (all are killed if one times out)."""
     out = []

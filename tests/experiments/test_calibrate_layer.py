@@ -1,14 +1,17 @@
 """experiments.calibrate_layer writes what ``ragged simulate --calibration`` takes: measured on gloo ranks
 on this CPU, described by a hardware profile file (profiles are data), the calibrated model reproduces the
 measured times. The CUDA path is the same code with CUDA events and NCCL (the calibrate stage of
-experiments/gpu_check.sh)."""
+experiments/gpu_check.sh).
+
+``main`` runs in this process: its ranks fork from this process's forkserver, which has torch imported
+already, where a process of the script's own imported torch and started a forkserver of its own (seconds
+each on 2 cores); ``main`` keeps no state between runs."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from experiments.calibrate_layer import main
 from ragged.models import model_shapes, model_units, trained_llama
 from ragged.simulate import calibrate, load_calibration, load_hardware
 from ragged.simulate._step import unit_times
@@ -21,16 +24,11 @@ CPU = {"name": "cpu-gloo", "peak_flops": 1e11, "hbm_bytes": 24e9, "hbm_bandwidth
        "inter_latency": 1e-5}
 
 
-def _measure(tmp_path, world: int, hardware: str = "cpu-gloo") -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "experiments.calibrate_layer", "--model", "llama-tiny", "--world",
-           str(world), "--device", "cpu", "--dtype", "fp32", "--batch", "1", "--seq-len", "32", "--warmup",
-           "1", "--repeat", "3", "--hardware", hardware, "--out", str(tmp_path / "cal.json")]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_measured_times_calibrate_the_simulator_to_themselves(tmp_path, world):
-    assert _measure(tmp_path, world).returncode == 0
+    main(["--model", "llama-tiny", "--world", str(world), "--device", "cpu", "--dtype", "fp32", "--batch",
+          "1", "--seq-len", "32", "--warmup", "1", "--repeat", "3", "--hardware", "cpu-gloo", "--out",
+          str(tmp_path / "cal.json")])
     cal = load_calibration(tmp_path / "cal.json")
     assert (cal.model, cal.unit, cal.gpus, cal.dtype) == ("llama-tiny", "layers.0", world, "fp32")
     # one rank's collectives move nothing: only compute is measured there
@@ -54,7 +52,6 @@ def test_measured_times_calibrate_the_simulator_to_themselves(tmp_path, world):
 
 
 def test_cpu_without_a_profile_name_is_refused(tmp_path):
-    cmd = [sys.executable, "-m", "experiments.calibrate_layer", "--device", "cpu", "--out",
-           str(tmp_path / "x.json")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "--hardware" in done.stderr and not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit, match="--hardware"):
+        main(["--device", "cpu", "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()

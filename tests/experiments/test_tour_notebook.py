@@ -13,6 +13,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from experiments._distributed import WORKER_PRELOAD_ENV
 from experiments._xla import flags_but_device_count
 from experiments.demo import LOSS_RTOL
 
@@ -28,6 +29,9 @@ def test_tour_notebook_runs_and_its_losses_agree(monkeypatch):
     # The notebook adds its own device count, as in a user kernel; the run's other flags stay (its
     # optimization level, an ISA limit)
     monkeypatch.setenv("XLA_FLAGS", flags_but_device_count())
+    # Nor the suite's forkserver preload (tests/conftest.py): the kernel's torch workers train no
+    # HuggingFace model, and importing transformers' modeling code there costs about 5 s on 2 cores
+    monkeypatch.delenv(WORKER_PRELOAD_ENV, raising=False)
     client = NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=False,
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     client.execute()
