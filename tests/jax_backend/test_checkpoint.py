@@ -13,6 +13,8 @@ steps add far less (the demo measures 3e-7). Checkpoints load bit for bit: a com
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 
 import jax
@@ -27,6 +29,7 @@ import ragged
 import ragged.checkpoint
 import ragged.models
 import torch_backend
+from experiments._distributed import WORKER_PRELOAD_ENV
 from experiments.demo import LOSS_RTOL, LR, WEIGHT_DECAY, batch
 from jax_backend import (
     LayoutMismatchError,
@@ -161,9 +164,13 @@ def test_checkpoint_that_does_not_match_the_layouts_is_named(tmp_path):
 
 
 # ----- both stacks training on from one checkpoint: tensor parallelism, MoE under FSDP and EP ---------------
+@functools.cache
 def tp_llama():
-    """The flax llama under ``(fsdp 4, tensor 2)``: its runtime (the parameters are the checkpoints')."""
-    return parallelize(Llama(rngs=nnx.Rngs(0)), make_mesh((4, 2), ("fsdp", "tensor")), tensor_axis="tensor")
+    """The flax llama under ``(fsdp 4, tensor 2)``: its runtime, AdamW and train step (the parameters are
+    the checkpoints'), made once: ``jax_writes`` and the test after the launch train the one program."""
+    fsdp = parallelize(Llama(rngs=nnx.Rngs(0)), make_mesh((4, 2), ("fsdp", "tensor")), tensor_axis="tensor")
+    opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+    return fsdp, opt, fsdp.train_step(opt, cross_entropy)
 
 
 def moe_runtime(preset: str, ep: int, fsdp: int) -> ExpertParallel:
@@ -183,11 +190,9 @@ def train_jax(step, buffers, state, steps: range, *model_state) -> tuple[list[fl
 def jax_writes(workdir: Path) -> dict[str, dict[str, list[float]]]:
     """Before the torch launch: JAX's TP checkpoint after ``PRE_STEPS`` steps; per MoE preset, torch's
     initial checkpoint, JAX's losses from it under FSDP (4 devices) and EP (2, 2), and its EP save."""
-    fsdp = tp_llama()
-    opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+    fsdp, opt, step = tp_llama()
     buffers = fsdp.shard_params(model_params(Llama(rngs=nnx.Rngs(0))))
-    _, buffers = train_jax(fsdp.train_step(opt, cross_entropy), buffers, fsdp.init(opt, buffers),
-                           range(W.PRE_STEPS))
+    _, buffers = train_jax(step, buffers, fsdp.init(opt, buffers), range(W.PRE_STEPS))
     jax_backend.save_neutral_checkpoint(workdir / "jax_tp", buffers, fsdp.layouts,
                                         tensor_parallel=fsdp.tensor_parallel)
     losses = {}
@@ -212,7 +217,14 @@ def cross_stack(tmp_path_factory) -> tuple[Path, dict, list]:
     """The checkpoints' directory, JAX's losses (``jax_writes``) and the torch launch's results."""
     workdir = tmp_path_factory.mktemp("cross_stack")
     losses = jax_writes(workdir)
-    return workdir, losses, launch(str(Path(W.__file__)), "checks", 4, str(workdir), timeout_s=400)
+    # The workers run no HuggingFace code: their forkserver (this launch starts it in the JAX tests' process)
+    # need not import transformers, which tests/conftest.py preloads for the torch tests (5 to 14 s).
+    hf = "tests.torch_backend._hf_preload"
+    preload = [m for m in os.environ.get(WORKER_PRELOAD_ENV, "").split() if m != hf]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(WORKER_PRELOAD_ENV, " ".join(preload))
+        results = launch(str(Path(W.__file__)), "checks", 4, str(workdir), timeout_s=400)
+    return workdir, losses, results
 
 
 def assert_bits_equal(got: dict, want: dict) -> None:
@@ -227,13 +239,11 @@ def test_tensor_parallel_checkpoint_crosses_stacks_and_both_train_on_alike(cross
     workdir, _, results = cross_stack
     ranks = case_results(results, "tp")
     assert all(r["loaded"] == 0.0 and r["reloaded"] == 0.0 for r in ranks), ranks
-    fsdp = tp_llama()
+    fsdp, opt, step = tp_llama()
     buffers = jax_backend.load_neutral_checkpoint(workdir / "torch_tp", fsdp.layouts, fsdp.mesh, fsdp.axis,
                                                   tensor_parallel=fsdp.tensor_parallel)
     assert_bits_equal(fsdp.full_params(buffers), load_neutral_params(workdir / "torch_tp"))
-    opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
-    losses, _ = train_jax(fsdp.train_step(opt, cross_entropy), buffers, fsdp.init(opt, buffers),
-                          range(W.PRE_STEPS, W.PRE_STEPS + W.STEPS))
+    losses, _ = train_jax(step, buffers, fsdp.init(opt, buffers), range(W.PRE_STEPS, W.PRE_STEPS + W.STEPS))
     assert losses[-1] < losses[0]  # it trains
     np.testing.assert_allclose(losses, ranks[0]["losses"], rtol=LOSS_RTOL)
 

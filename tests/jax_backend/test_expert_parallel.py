@@ -21,8 +21,8 @@ gradient in another order (an expert's over the devices of its EP group and then
 by reduce-scatter) and AdamW divides by sqrt(nu), which amplifies that rounding where a gradient is near
 zero, most at fsdp = 1, whose data after step 0 is one token per step on every device (in fp32: 1.1e-5 on
 ``layers.1.attention.wq.weight`` of gpt-oss-tiny at (4, 1), 1.4e-6 at (2, 2) x 2, CPU-dependent). Measured
-in float64 on parameters (mixtral-tiny; gpt-oss-tiny): (1, 4) 1.6e-15; 7.8e-15, (2, 2) 1.6e-15; 1.1e-14,
-(4, 1) 5.7e-14; 2.9e-14, (2, 2) x 2 1.3e-14; 1.1e-14; losses within 2.6e-16. A token routed to another
+in float64 on parameters (mixtral-tiny; gpt-oss-tiny): (1, 4) 1.4e-15; 2.6e-15, (2, 2) 2.4e-15; 3.1e-15,
+(4, 1) 2.8e-14; 2.3e-14, (2, 2) x 2 9.0e-15; 5.7e-15; losses within 2.2e-16. A token routed to another
 expert would move its layer's output by ~1e-2, far outside the bound.
 
 bf16 under the mixed-precision policy (bf16 gathers, compute and all-to-all; fp32 reduce and masters) at
@@ -36,9 +36,9 @@ sum rounded to bf16, as the one GEMM rounds; the device batches, and each one's 
 (tests/torch_backend/test_fsdp_moe.py), and all parameters as one vector's (``whole_model``): the worst
 tensor spreads by the tokens that bf16 moves to another expert, which hides a bug that moves every expert
 a little. Measured (mixtral-tiny / gpt-oss-tiny, (2, 4) then (2, 2) x 2), of the spread: worst tensor
-0.22, 0.32 / 1.09, 0.54; whole model 0.25, 0.30 / 0.52, 0.32; losses 0.15, 0.02 / 0.10, 0.04. With the
+0.10, 0.11 / 1.10, 0.54; whole model 0.13, 0.10 / 0.59, 0.32; losses 0.05, 0.09 / 0.18, 0.09. With the
 last EP rank's gradient dropped (experiments/bug_injection.py) gpt-oss-tiny's whole model is 12 and 11
-times its spread; mixtral-tiny's 3.8 and 3.6, inside the margin (its orders move tokens between experts
+times its spread; mixtral-tiny's 4.3 and 3.5, about the margin (its orders move tokens between experts
 far more), so that bug is caught here on gpt-oss-tiny and by the float64 cases on both.
 
 Capacity: with ``capacity_factor=0.5``, each device's dropped (token, expert) assignments per MoE layer
@@ -102,58 +102,67 @@ def batches(vocab: int, fsdp: int, devices: int = DEVICES) -> np.ndarray:
     return data
 
 
-def device_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, coef: float,
-                dtype=None) -> jax.Array:
-    """One device batch's loss, token ids (ROWS, SEQ + 1); with ``dtype``, on its own ``dtype`` copy of
-    ``params`` (the mixed-precision policy: each device's gradient is cast back to fp32 before they are
-    summed)."""
-    if dtype is not None:
-        params = jax.tree.map(lambda a: a.astype(dtype), params)
+def device_loss(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array, coef: float) -> jax.Array:
+    """One device batch's loss, token ids (ROWS, SEQ + 1)."""
     return moe_loss(nnx.merge(graphdef, params)(batch[:, :-1]), batch[:, 1:], coef)
 
 
 @functools.cache
-def reference_step(graphdef: nnx.GraphDef, opt: optax.GradientTransformation, coef: float, dtype,
-                   summed_in_dtype: bool = False):
-    """``train_reference``'s jitted step on a (devices, ROWS, SEQ + 1) batch, on one device: the loss the
-    mean of the devices' ``device_loss``, each device's gradient taken apart (``vmap``: one copy of the
-    model in the program, not one per device) and the gradients summed over the devices in their order;
-    ``summed_in_dtype``: each device's gradient taken in ``dtype`` and the sum rounded to ``dtype`` at each
-    partial sum (as expert parallelism's one bf16 GEMM over every EP rank's tokens rounds) before it is
-    cast back. Cached: the runs of one model, optimizer and dtype compile once (jit keys its own cache on
-    x64 too)."""
-    def per_device(params, batch):
-        low = jax.tree.map(lambda a: a.astype(dtype), params) if summed_in_dtype else params
-        cast = None if summed_in_dtype else dtype  # the policy's cast inside the device's loss, or none
-        grad = jax.value_and_grad(lambda p, b: device_loss(graphdef, p, b, coef, cast))
-        losses, grads = jax.vmap(grad, in_axes=(None, 0))(low, batch)
-        n = len(batch)
-        total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b),
-                                 [jax.tree.map(lambda g, i=i: g[i], grads) for i in range(n)])
-        return jnp.mean(losses), jax.tree.map(lambda g, p: (g / n).astype(p.dtype), total, params)
+def device_grad(graphdef: nnx.GraphDef, coef: float, dtype):
+    """Jitted: one device batch's ``device_loss`` and its gradient, taken on the device's own ``dtype`` copy
+    of the parameters (None: on them), so in ``dtype`` (the mixed-precision policy's gradient before its
+    exact cast back to fp32). One program per model and dtype for every device count, optimizer and way of
+    summing (jit keys its own cache on x64 too): compiling is most of these tests' time."""
+    def grad(params, batch):
+        low = params if dtype is None else jax.tree.map(lambda a: a.astype(dtype), params)
+        return jax.value_and_grad(lambda p: device_loss(graphdef, p, batch, coef))(low)
 
+    return jax.jit(grad)
+
+
+@jax.jit
+def plus(total, grads):
+    """``total + grads`` leaf by leaf, rounded to ``total``'s dtypes."""
+    return jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
+
+
+@functools.cache
+def reference_update(opt: optax.GradientTransformation):
+    """Jitted: ``opt``'s step on the mean gradient and the mean loss, from ``total``, the sums of ``n``
+    devices' (the gradients cast back to the parameters' dtype, then divided: ``n`` is traced, one program
+    for every device count)."""
     @jax.jit
-    def step(params, state, batch):
-        loss, grads = per_device(params, batch)
+    def update(params, state, total, n):
+        loss, grads = total[0] / n, jax.tree.map(lambda g, p: g.astype(p.dtype) / n, total[1], params)
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    return step
+    return update
 
 
 def train_reference(model: MoEDecoder, data: np.ndarray, dtype=None,
                     opt: optax.GradientTransformation = ADAMW,
                     summed_in_dtype: bool = False) -> tuple[list[float], list[dict]]:
     """Single-device ``opt`` (AdamW) of the mean of the device batches' losses (``data.shape[1] // ROWS``
-    devices), forward and backward in ``dtype`` per device batch (``reference_step``): the loss per step
-    and the parameters before each step and after the last."""
+    devices), on one device: each device's gradient taken apart (``device_grad``, forward and backward in
+    ``dtype``: the mixed-precision policy's cast copy) and the gradients summed over the devices in their
+    order, in fp32 (the policy: each device's gradient cast back before they are summed) or, with
+    ``summed_in_dtype``, in ``dtype``, rounded at each partial sum (as expert parallelism's one bf16 GEMM
+    over every EP rank's tokens rounds) before it is cast back. The loss per step and the parameters
+    before each step and after the last."""
     graphdef, params = nnx.split(model, nnx.Param)
     batches_ = data.reshape(len(data), data.shape[1] // ROWS, ROWS, SEQ + 1)
-    step = reference_step(graphdef, opt, model.config.aux_loss_coef, dtype, summed_in_dtype)
+    grad, update = device_grad(graphdef, model.config.aux_loss_coef, dtype), reference_update(opt)
+    # the sums of the losses (in the masters' dtype, as the loss is) and of the gradients
+    zeros = (np.zeros((), jax.tree.leaves(params)[0].dtype),
+             jax.tree.map(lambda p: np.zeros(p.shape, dtype if summed_in_dtype else p.dtype), params))
     state, losses, history = opt.init(params), [], []
     for b in batches_:
         history.append(model_params(nnx.merge(graphdef, params)))
-        params, state, loss = step(params, state, b)
+        total = zeros
+        for device_batch in b:
+            total = plus(total, grad(params, device_batch))
+        params, state, loss = update(params, state, total, len(b))
         losses.append(float(loss))
     history.append(model_params(nnx.merge(graphdef, params)))
     return losses, history
@@ -250,10 +259,11 @@ def with_params(model: MoEDecoder, params: dict) -> MoEDecoder:
 
 
 @functools.cache
-def routes_of_devices(graphdef: nnx.GraphDef):
-    """Jitted: each device's ``routed_forward`` without a capacity, on (devices, ROWS, SEQ) tokens."""
-    return jax.jit(lambda params, tokens: jax.vmap(  # (devices, MoE layers, N, k)
-        lambda t: jnp.stack(routed_forward(nnx.merge(graphdef, params), t, None)[1]))(tokens))
+def device_routes(graphdef: nnx.GraphDef):
+    """Jitted: one device's ``routed_forward`` without a capacity on its tokens (ROWS, SEQ), each MoE
+    layer's chosen experts (MoE layers, N, k); one program for every device count."""
+    return jax.jit(lambda params, tokens:
+                   jnp.stack(routed_forward(nnx.merge(graphdef, params), tokens, None)[1]))
 
 
 def received(name: str, history: list[dict], data: np.ndarray, ep: int, fsdp: int) -> np.ndarray:
@@ -263,9 +273,10 @@ def received(name: str, history: list[dict], data: np.ndarray, ep: int, fsdp: in
     counts = []
     for s in range(STEPS):
         graphdef, params = nnx.split(with_params(model, history[s]), nnx.Param)
-        tokens = data[s, :, :-1].reshape(devices, ROWS, SEQ)
-        n = np.array([[np.bincount(r.reshape(-1), minlength=c.n_experts) for r in layers]
-                      for layers in np.asarray(routes_of_devices(graphdef)(params, tokens))])
+        routes = device_routes(graphdef)
+        n = np.array([[np.bincount(r.reshape(-1), minlength=c.n_experts)
+                       for r in np.asarray(routes(params, data[s, d * ROWS:(d + 1) * ROWS, :-1]))]
+                      for d in range(devices)])
         # (devices, layers, E), device d = (replica, ep, fsdp)
         by_group = n.reshape(devices // (ep * fsdp), ep, fsdp, *n.shape[1:]).sum(axis=1)  # (R, fsdp, L, E)
         counts.append(by_group.transpose(2, 0, 1, 3).reshape(n.shape[1], -1, c.n_experts))

@@ -23,9 +23,9 @@ Bounds: both optimizers compute in fp32, so the spread of the single-device refe
 batches and their rows in another order; ``tests.parity.assert_within_spread``), on losses and on the
 worst tensor's relative error. 8-bit Adam's orders often give the reference's losses bit for bit while a
 code that flips moves its parameters, so its losses are bounded by what the orders move at all
-(``tests.parity.floored_by``). Measured parameters 0.80 of the spread (8-bit Adam, 1.8e-4), 0.86 and
-0.83 (Muon, gpt-oss-tiny and mixtral-tiny, 5e-6); losses 0 (8-bit Adam), 0.0 and 1.0 (Muon: one of the
-orders gives the run's losses bit for bit).
+(``tests.parity.floored_by``). Measured parameters 0.49 of the spread (8-bit Adam, 2.0e-4), 1.05 and
+0.76 (Muon, gpt-oss-tiny and mixtral-tiny, 5e-6); losses 0 in all three (the run's losses are the
+reference's bit for bit).
 """
 
 from __future__ import annotations
