@@ -140,8 +140,9 @@ def unfused_attention(query, key, value, bias=None, mask=None, broadcast_dropout
 # So the parity tests train in float64 (``jax.enable_x64``): the same growth, from eps = 2.2e-16, is bounded
 # by F64_GROWTH eps per step. That is ~1e3 times the growth measured in fp32 (at most ~90 eps per step:
 # 1.1e-5 in 5 steps of gpt-oss-tiny at (ep, fsdp) = (4, 1)) and ~2e3 times the largest measured in float64
-# (5.7e-14 in 5 steps, mixtral-tiny at (4, 1); 3.4e-14 with XLA's ISA limited to AVX2, 1.4e-14 to SSE4.2),
-# and, at 5 to 10 steps (1e-10 to 2e-10), ~1e7 times below a bug.
+# (5.7e-14 in 5 steps, mixtral-tiny at (4, 1); 3.4e-14 with XLA's ISA limited to AVX2, 1.4e-14 to SSE4.2;
+# 2.8e-14 against test_expert_parallel's per-device-gradient reference, which sums the same terms in
+# another order), and, at 5 to 10 steps (1e-10 to 2e-10), ~1e7 times below a bug.
 FP32_EPS = float(np.finfo(np.float32).eps)  # the fp32 tests' unit: one rounding per step
 F64_EPS = float(np.finfo(np.float64).eps)
 F64_GROWTH = 1e5
