@@ -1,12 +1,15 @@
-"""gloo's flat-buffer reduce-scatter against the one ``torch_backend.collectives`` issues on gloo.
+"""gloo's flat-buffer reduce-scatter and all-gather against those of ``torch_backend.collectives``.
 
 torch's ``reduce_scatter_tensor`` on gloo clones the whole buffer, all-reduces all of it and copies this
 rank's slice out; ``torch_backend.collectives.reduce_scatter`` sends chunk ``d`` to rank ``d`` with one
-``all_to_all_single`` and sums the chunks it receives. Both are timed here on the same buffers, in
-alternation (each round runs every collective once after a barrier), with ``all_reduce`` and
-``all_gather_into_tensor`` of the same buffer for scale, at the sizes of the units of
-``experiments.torch_vs_fsdp2``'s llama (a block, the embedding). The results must agree: float64
-buffers, compared to a bound of float64 rounding of a ``world``-term sum.
+``all_to_all_single`` and sums the chunks it receives. torch's ``all_gather_into_tensor`` on gloo gathers
+into a temporary of the whole buffer and copies it out; ``torch_backend.collectives.all_gather`` sends the
+shard to every peer and receives each peer's into its slice of the output. All are timed here on the same
+buffers, in alternation (each round runs every collective once after a barrier), with ``all_reduce`` of
+the same buffer for scale, at the sizes of the units of ``experiments.torch_vs_fsdp2``'s llama (a block,
+the embedding); each gathered buffer is allocated afresh, as a unit's is at every unshard. The results
+must agree: both all-gathers bit for bit, both reduce-scatters in float64 within the rounding of a
+``world``-term sum.
 
     python -m experiments.gloo_collectives   # writes experiments/results/gloo_collectives.{json,md}
 """
@@ -25,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from experiments._distributed import rendezvous, spawn_ranks
-from torch_backend.collectives import reduce_scatter
+from torch_backend.collectives import all_gather, reduce_scatter
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = (705_536, 2_098_176)  # elements of a block and of the embedding unit, 4 ranks (torch_vs_fsdp2)
@@ -33,12 +36,13 @@ SIZES = (705_536, 2_098_176)  # elements of a block and of the embedding unit, 4
 
 def _ops(n: int, world: int, full: torch.Tensor) -> dict:
     """The collectives timed, over buffers of ``n`` elements made once."""
-    shard, gathered, reduced = torch.empty(n // world), torch.empty(n), full.clone()
+    shard, reduced = torch.empty(n // world), full.clone()
     return {
         "torch reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(shard, full),
         "ours reduce_scatter (all_to_all + sum)": lambda: reduce_scatter(shard, full, None, label="b").wait(),
         "torch all_reduce": lambda: dist.all_reduce(reduced),
-        "torch all_gather_into_tensor": lambda: dist.all_gather_into_tensor(gathered, shard),
+        "torch all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(n), shard),
+        "ours all_gather (send/recv)": lambda: all_gather(torch.empty(n), shard, None, label="g").wait(),
     }
 
 
@@ -51,8 +55,12 @@ def _agreement(n: int, world: int, full: torch.Tensor) -> dict:
     reduce_scatter(ours, exact, None, label="check").wait()
     magnitude = exact.abs()
     dist.all_reduce(magnitude)
+    gathered = [torch.empty(n, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather_into_tensor(gathered[0], theirs)
+    all_gather(gathered[1], theirs, None, label="check").wait()
     return {"max_abs_diff": (ours - theirs).abs().max().item(),
-            "bound": torch.finfo(torch.float64).eps * world * magnitude.max().item()}
+            "bound": torch.finfo(torch.float64).eps * world * magnitude.max().item(),
+            "gathers_equal": torch.equal(*gathered)}
 
 
 def _worker(rank: int, workdir: str, world: int, rounds: int) -> dict:
@@ -89,12 +97,12 @@ def main(argv: list[str] | None = None) -> None:
               "load_before": load, "load_after": os.getloadavg(), "cpus": os.cpu_count(), "rank0": ranks[0]}
     for r in ranks:
         for n, row in r.items():
-            assert row["max_abs_diff"] <= row["bound"], (n, row)
-    lines = [f"# gloo reduce-scatter: torch's against ours ({args.world} processes, fp32, median of "
-             f"{args.rounds - 1} alternating rounds, rank 0)", "",
+            assert row["max_abs_diff"] <= row["bound"] and row["gathers_equal"], (n, row)
+    lines = [f"# gloo reduce-scatter and all-gather: torch's against ours ({args.world} processes, fp32, "
+             f"median of {args.rounds - 1} alternating rounds, rank 0)", "",
              f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load[0]:.1f} before and "
-             f"{result['load_after'][0]:.1f} after. Results agree in float64 on every rank (largest "
-             "difference within the rounding of a sum of world terms).", "",
+             f"{result['load_after'][0]:.1f} after. Results agree in float64 on every rank (the "
+             "reduce-scatters within the rounding of a sum of world terms, the all-gathers bit for bit).", "",
              "| elements | " + " | ".join(ranks[0][SIZES[0]]["median_ms"]) + " |",
              "|---|" + "---|" * len(ranks[0][SIZES[0]]["median_ms"])]
     for n, row in ranks[0].items():
@@ -104,8 +112,10 @@ def main(argv: list[str] | None = None) -> None:
         theirs = ms["torch reduce_scatter_tensor"]
         ratio = ms["ours reduce_scatter (all_to_all + sum)"] / theirs
         over_all_reduce = theirs / ms["torch all_reduce"]
-        lines.append(f"\n{n:,} elements: ours / torch's reduce-scatter **{ratio:.2f}**; torch's "
-                     f"reduce-scatter / its all-reduce of the same buffer {over_all_reduce:.2f}.")
+        gather = ms["ours all_gather (send/recv)"] / ms["torch all_gather_into_tensor"]
+        lines.append(f"\n{n:,} elements: ours / torch's reduce-scatter **{ratio:.2f}**, all-gather "
+                     f"**{gather:.2f}**; torch's reduce-scatter / its all-reduce of the same buffer "
+                     f"{over_all_reduce:.2f}.")
     Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
     Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -225,17 +225,18 @@ def _layer_buffer(name: str, variant: str, model) -> dict:
 
 
 def _variant_meter():
-    from experiments.torch_vs_fsdp2 import Meter, _nbytes
+    from experiments.torch_vs_fsdp2 import Meter, _issued_by_our_collectives, _nbytes
 
     class MoeMeter(Meter):
-        """torch_vs_fsdp2's meter, also counting the bytes expert parallelism's all-to-alls send."""
+        """torch_vs_fsdp2's meter, also counting the bytes expert parallelism's all-to-alls send (not the
+        all-to-all that carries ours' reduce-scatter on gloo: a reduce-scatter, counted as one)."""
 
         def __init__(self) -> None:
             super().__init__()
             self.comm["all_to_all"] = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func._schema.name.startswith("c10d::alltoall"):
+            if func._schema.name.startswith("c10d::alltoall") and not _issued_by_our_collectives():
                 self.comm["all_to_all"] += _nbytes(args[1])  # the input (the output is args[0])
             return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -246,6 +247,7 @@ def _timing(name: str, rank: int, warmup: int, steps: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from experiments.torch_vs_fsdp2 import comm_bytes
     from torch_backend import debug_counter
     from torch_backend.models import MoEDecoder
 
@@ -271,7 +273,8 @@ def _timing(name: str, rank: int, warmup: int, steps: int) -> dict:
         meter = _variant_meter()
         with debug_counter() as counter, meter:
             _step(name, model, opt, warmup + steps, rank)
-        out[v] |= {"copy_bytes": meter.copy_bytes - intrinsic, "comm_bytes": meter.comm,
+        out[v] |= {"copy_bytes": meter.copy_bytes - intrinsic,
+                   "comm_bytes": comm_bytes(meter, None if v == "fsdp2" else counter),
                    "model_copy_bytes": intrinsic, "moe_layer": _layer_buffer(name, v, model)}
         if v != "fsdp2":
             out[v]["debug_counter_copy_bytes"] = counter.copy_bytes

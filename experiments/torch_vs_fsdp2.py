@@ -11,7 +11,9 @@ the root, the rule a user applies to their own model). ``reshard_after_forward=T
 - bytes copied outside collectives per step: a dispatch-mode meter counts the bytes written by copy ops
   (copy_, cat, clone, split_with_sizes_copy, chunk_cat, FSDP2's copy-in, ...) outside the collective
   calls, minus what the plain model's own forward/backward copies on the same batch;
-- all-gather and reduce-scatter bytes (padding included) from the c10d ops the same meter sees;
+- all-gather and reduce-scatter bytes (padding included): FSDP2's from the c10d ops the same meter sees,
+  ours from its debug counter (on gloo ours moves them by send/recv and all-to-all, whose c10d ops carry
+  ``(world - 1) / world`` of each buffer; the counter counts whole buffers, as the c10d ops of FSDP2 do);
 - peak memory per rank: peak RSS minus RSS before building the model, each runtime in its own launch
   (glibc is told to mmap every allocation above 64 KiB, so freed tensors leave the RSS); on CUDA the
   peak of ``torch.cuda.max_memory_allocated`` above what was allocated before building;
@@ -43,6 +45,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -64,6 +67,7 @@ RESULTS = Path(__file__).parent / "results"
 MODELS = ("llama", "hf_llama")
 _COPY_OPS = {"copy_", "_to_copy", "clone", "cat", "stack", "split_with_sizes_copy", "_chunk_cat",
              "_foreach_copy_", "slice_scatter", "as_strided_scatter", "index_copy_", "index_copy"}
+_OUR_COLLECTIVES = os.path.join("torch_backend", "_collectives.py")  # behind torch_backend.collectives
 _COLLECTIVE_FNS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather_single",
                    "reduce_scatter_single")
 
@@ -90,7 +94,7 @@ class Meter(TorchDispatchMode):
                 self.comm["reduce_scatter"] += _nbytes(args[1])
             elif name.startswith("allreduce"):
                 self.comm["all_reduce"] += _nbytes(args[0])
-        elif Meter.depth == 0 and (ns == "fsdp" or name in _COPY_OPS):
+        elif Meter.depth == 0 and (ns == "fsdp" or name in _COPY_OPS) and not _issued_by_our_collectives():
             if name == "all_gather_copy_in":  # FSDP2's copy-in writes the all-gather input (out[0])
                 nbytes = _nbytes(out[0])
             elif "out" in kwargs:
@@ -104,12 +108,34 @@ class Meter(TorchDispatchMode):
         return out
 
 
+def comm_bytes(meter: Meter, counter) -> dict:
+    """The bytes of a metered step's collectives, by kind: FSDP2's from the c10d ops the meter saw, ours
+    (``counter``: its debug counter, None for FSDP2) from the counter. On gloo ours moves its buffers by
+    send/recv and all-to-all, whose c10d ops carry ``(world - 1) / world`` of each; the counter counts the
+    whole buffers, as FSDP2's c10d ops do."""
+    if counter is None:
+        return dict(meter.comm)
+    return meter.comm | {k: counter.bytes[k] for k in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
 def _nbytes(x) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     if isinstance(x, (list, tuple)):
         return sum(_nbytes(t) for t in x)
     return 0
+
+
+def _issued_by_our_collectives() -> bool:
+    """The op runs inside one of ``torch_backend.collectives``' calls (the gloo all-gather's copy of this
+    rank's own shard into its slice of the gathered buffer: the part of an all-gather no peer sends, which
+    gloo's own all-gather copies too, inside its C++)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_OUR_COLLECTIVES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _inside_collective(fn):
@@ -132,6 +158,18 @@ def _mark_collectives() -> None:
             setattr(dist, fn_name, _inside_collective(fn))
             setattr(dist.distributed_c10d, fn_name, _inside_collective(fn))
     dist.Work.wait = _inside_collective(dist.Work.wait)
+
+
+def _mmap_big_allocations() -> None:
+    """glibc maps every allocation above 64 KiB on its own (``mallopt(M_MMAP_THRESHOLD)``), so a freed
+    tensor leaves the RSS at once and peak RSS measures the peak of live tensors. Memory launches only: it
+    makes every large allocation page-fault afresh (about 1.5x the step time of either runtime on 2 cores),
+    which no user's training process does."""
+    import ctypes
+
+    m_mmap_threshold = -3  # glibc's malloc.h
+    if not ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 64 * 1024):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: peak RSS would not measure live tensors")
 
 
 def _rss_bytes() -> int:
@@ -274,11 +312,12 @@ def _timing(name: str, mesh, warmup: int, steps: int) -> dict:
     for kind, (model, opt) in runs.items():
         with debug_counter() as counter:
             meter = _metered(lambda m=model, o=opt: _step(m, o, warmup + steps, rows))
+        counter = counter if kind == "ours" else None
         by_op = {op: n - model_meter.copy_bytes_by_op[op] for op, n in meter.copy_bytes_by_op.items()}
-        out[kind] |= {"copy_bytes": meter.copy_bytes - intrinsic, "comm_bytes": meter.comm,
+        out[kind] |= {"copy_bytes": meter.copy_bytes - intrinsic, "comm_bytes": comm_bytes(meter, counter),
                       "copy_bytes_by_op": {op: n for op, n in by_op.items() if n},
                       "model_copy_bytes": intrinsic}
-        if kind == "ours":
+        if counter is not None:
             calls = {f"{k}:{u}": n for (k, u), n in counter.calls.items()}
             out[kind]["debug_counter"] = {"collectives": calls, "bytes": dict(counter.bytes),
                                           "copy_bytes": counter.copy_bytes}
@@ -343,6 +382,8 @@ def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: in
     torch.set_num_threads(1)
     if DEVICE == "cuda":
         torch.cuda.set_device(rank)
+    elif mode == "memory":
+        _mmap_big_allocations()
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=rendezvous(workdir),
                             rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     from torch.distributed.device_mesh import init_device_mesh
@@ -362,7 +403,6 @@ def _worker(rank: int, workdir: str, name: str, mode: str, kind: str, warmup: in
 
 
 def _launch(name: str, mode: str, kind: str, warmup: int, steps: int) -> list[dict]:
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the workers: big frees leave the RSS
     setup = dict(WORLD=WORLD, TP=TP, CONFIG=CONFIG, BATCH=BATCH, SEQ=SEQ, DEVICE=DEVICE, DTYPE=DTYPE)
     return spawn_ranks(WORLD, _worker, name, mode, kind, warmup, steps, setup, device=DEVICE)
 

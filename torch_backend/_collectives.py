@@ -13,9 +13,13 @@ dependencies, no ``record_stream``.
 
 On gloo, ``reduce_scatter`` is one ``all_to_all_single`` (chunk ``d`` of the buffer to rank ``d``) and a
 local sum of the chunks received, in rank order: gloo's own ``reduce_scatter_tensor`` copies the buffer,
-all-reduces all of it and copies this rank's slice out (on 4 ranks this takes 0.41x to 0.46x its time:
-``experiments/results/gloo_collectives.md``). The bytes each rank sends are a ring reduce-scatter's,
-``(world - 1) / world`` of the buffer.
+all-reduces all of it and copies this rank's slice out. ``all_gather`` sends the shard to every peer and
+receives each peer's straight into its slice of the output (point-to-point, all in flight at once): gloo's
+own ``all_gather_into_tensor`` gathers into a temporary of the whole buffer and copies it out. Both move
+the bytes of their ring algorithms, ``(world - 1) / world`` of the buffer per rank; the times of both pairs
+are in ``experiments/results/gloo_collectives.md``. The point-to-point messages of one group pair up in the
+order they are issued, which is the same on every rank (the FSDP schedule issues the same collectives in
+the same order everywhere); their tag keeps them apart from a user's own send/recv.
 """
 
 from __future__ import annotations
@@ -129,9 +133,42 @@ def _check_even(kind: str, label: str, group: dist.ProcessGroup, full: torch.Ten
     return world
 
 
+_GATHER_TAG = 0x5A6A  # the gloo all-gather's point-to-point messages (a user's send/recv default to tag 0)
+
+
+class _AllOf:
+    """Several issued works finished as one (the gloo all-gather's sends and receives)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+
+
+def _gloo_all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, world: int) -> _AllOf:
+    """Send ``shard`` to every peer and receive each peer's into its slice of ``full``; copy our own."""
+    group = group if group is not None else dist.group.WORLD
+    rank, n = dist.get_rank(group), shard.numel()
+    flat, mine, works = full.view(-1), shard.reshape(-1), []
+    for step in range(1, world):  # peers in ring order: every rank talks to a different peer at each step
+        to, frm = (rank + step) % world, (rank - step) % world
+        works.append(dist.isend(mine, dist.get_global_rank(group, to), group=group, tag=_GATHER_TAG))
+        works.append(dist.irecv(flat[frm * n:(frm + 1) * n], dist.get_global_rank(group, frm), group=group,
+                                tag=_GATHER_TAG))
+    flat[rank * n:(rank + 1) * n].copy_(mine)
+    return _AllOf(works)
+
+
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, label: str) -> Pending:
     """Gather every rank's ``shard`` into ``full`` (``world * shard.numel()`` elements, rank-major)."""
-    _check_even("all_gather", label, group, full, shard)
+    world = _check_even("all_gather", label, group, full, shard)
+    if _gloo_carries(full, group) and full.is_contiguous() and shard.is_contiguous():
+        return _issue("all_gather", label, group, full, lambda: _gloo_all_gather(full, shard, group, world))
     return _issue("all_gather", label, group, full,
                   lambda: all_gather_flat(full, shard, group=group, async_op=True))
 
