@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 TIMEOUT_SCALE_ENV = "RAGGED_LAUNCH_TIMEOUT_SCALE"  # read by tests/torch_backend/_dist.py
 RESULTS = ROOT / "experiments" / "results"
+EARLIER_CPU = "AMD EPYC"  # rows recorded before rows named their CPU (all on that machine)
 
 # The tests that compare a sharded run with a reference (or two summation orders), by stack.
 NUMERICS_TESTS = {
@@ -133,14 +134,15 @@ def _commit() -> str:
 def report(results: dict) -> str:
     c = results["cpu"]
     lines = ["# Numerics-sensitive tests under emulated machine variance", "",
-             f"`python -m experiments.variance_check` on {c['model']} ({c['cores']} cores; "
-             f"ISAs: {', '.join(c['isas'])}).", "",
-             "| variance | environment | commit | passed | failed | skipped | wall s |",
-             "|---|---|---|---|---|---|---|"]
+             f"`python -m experiments.variance_check`, last on {c['model']} ({c['cores']} cores; "
+             f"ISAs: {', '.join(c['isas'])}); each row names the CPU and commit it ran on.", "",
+             "| variance | environment | CPU | commit | passed | failed | skipped | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in results["variances"].items():
         env = " ".join(f"`{k}={v}`" for k, v in r["env"].items()) or "(none)"
         counts = f"{r['passed']} | {len(r['failed'])} | {r['skipped']}"
-        lines.append(f"| {name} | {env} | {r.get('commit', '?')} | {counts} | {r['wall_s']} |")
+        lines.append(f"| {name} | {env} | {r.get('cpu', EARLIER_CPU)} | {r.get('commit', '?')} | {counts} | "
+                     f"{r['wall_s']} |")
     skipped = results["not_run"]
     if skipped:
         lines += ["", "Not run (the CPU lacks the ISA): " + ", ".join(skipped) + "."]
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
                                Path(workdir), args.timeout_scale)
                 for n in runnable if n not in results["not_run"]}
         for name, future in runs.items():
-            r = results["variances"][f"{name} ({args.stack})" if args.stack else name] = future.result()
+            r = future.result() | {"cpu": machine["model"]}
+            results["variances"][f"{name} ({args.stack})" if args.stack else name] = r
             print(f"{name}: {r['passed']} passed, {len(r['failed'])} failed, {r['wall_s']} s", flush=True)
     Path(f"{args.out}.json").write_text(json.dumps(results, indent=1) + "\n")
     Path(f"{args.out}.md").write_text(report(results))
