@@ -29,8 +29,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # The suite runs as two pytest processes, one per core: the in-process JAX tests with the JAX training runs'
-# launches, and the rest (measured together on an idle 2-core machine: 14.8 and 14.2 minutes, 15.0 with
-# ruff; .ci/run on a fresh clone later that hour: 11.9 and 11.4, 13.2 with set-up: the host's speed varies).
+# launches, and the rest. Measured together on idle 2-core machines: 10.3 and 11.0 minutes, 11.2 with ruff
+# (Intel Xeon with AVX-512, where a pure-Python loop of 2e7 adds takes 1.7 s; 2026-12-06); 21.9 and 23.1 on
+# an AMD EPYC where that loop takes 4.8 s (2026-12-04, before that day's cuts): hosts vary by 2x or more.
 # Each prints its slowest tests, for balancing. The JAX half's output is printed after the other's.
 JAX_HALF := tests/jax_backend tests/experiments/test_train_jax.py tests/experiments/test_train_jax_moe.py
 test: $(STAMP) lint
