@@ -3,8 +3,8 @@
 torch's ``reduce_scatter_tensor`` on gloo clones the whole buffer, all-reduces all of it and copies this
 rank's slice out; ``torch_backend.collectives.reduce_scatter`` sends chunk ``d`` to rank ``d`` with one
 ``all_to_all_single`` and sums the chunks it receives. torch's ``all_gather_into_tensor`` on gloo gathers
-into a temporary of the whole buffer and copies it out; ``torch_backend.collectives.all_gather`` sends the
-shard to every peer and receives each peer's into its slice of the output. All are timed here on the same
+into a temporary of the whole buffer and copies it out; ``torch_backend.collectives.all_gather`` is one
+broadcast per rank from that rank's slice of the output, in place. All are timed here on the same
 buffers, in alternation (each round runs every collective once after a barrier), with ``all_reduce`` of
 the same buffer for scale, at the sizes of the units of ``experiments.torch_vs_fsdp2``'s llama (a block,
 the embedding); each gathered buffer is allocated afresh, as a unit's is at every unshard. The results
@@ -42,7 +42,7 @@ def _ops(n: int, world: int, full: torch.Tensor) -> dict:
         "ours reduce_scatter (all_to_all + sum)": lambda: reduce_scatter(shard, full, None, label="b").wait(),
         "torch all_reduce": lambda: dist.all_reduce(reduced),
         "torch all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(n), shard),
-        "ours all_gather (send/recv)": lambda: all_gather(torch.empty(n), shard, None, label="g").wait(),
+        "ours all_gather (broadcasts)": lambda: all_gather(torch.empty(n), shard, None, label="g").wait(),
     }
 
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         theirs = ms["torch reduce_scatter_tensor"]
         ratio = ms["ours reduce_scatter (all_to_all + sum)"] / theirs
         over_all_reduce = theirs / ms["torch all_reduce"]
-        gather = ms["ours all_gather (send/recv)"] / ms["torch all_gather_into_tensor"]
+        gather = ms["ours all_gather (broadcasts)"] / ms["torch all_gather_into_tensor"]
         lines.append(f"\n{n:,} elements: ours / torch's reduce-scatter **{ratio:.2f}**, all-gather "
                      f"**{gather:.2f}**; torch's reduce-scatter / its all-reduce of the same buffer "
                      f"{over_all_reduce:.2f}.")

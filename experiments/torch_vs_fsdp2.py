@@ -12,8 +12,8 @@ the root, the rule a user applies to their own model). ``reshard_after_forward=T
   (copy_, cat, clone, split_with_sizes_copy, chunk_cat, FSDP2's copy-in, ...) outside the collective
   calls, minus what the plain model's own forward/backward copies on the same batch;
 - all-gather and reduce-scatter bytes (padding included): FSDP2's from the c10d ops the same meter sees,
-  ours from its debug counter (on gloo ours moves them by send/recv and all-to-all, whose c10d ops carry
-  ``(world - 1) / world`` of each buffer; the counter counts whole buffers, as the c10d ops of FSDP2 do);
+  ours from its debug counter (on gloo ours moves them by one broadcast per shard and an all-to-all, which
+  are not c10d all-gathers or reduce-scatters; the counter counts whole buffers, as FSDP2's c10d ops do);
 - peak memory per rank: peak RSS minus RSS before building the model, each runtime in its own launch
   (glibc is told to mmap every allocation above 64 KiB, so freed tensors leave the RSS); on CUDA the
   peak of ``torch.cuda.max_memory_allocated`` above what was allocated before building;
@@ -111,8 +111,8 @@ class Meter(TorchDispatchMode):
 def comm_bytes(meter: Meter, counter) -> dict:
     """The bytes of a metered step's collectives, by kind: FSDP2's from the c10d ops the meter saw, ours
     (``counter``: its debug counter, None for FSDP2) from the counter. On gloo ours moves its buffers by
-    send/recv and all-to-all, whose c10d ops carry ``(world - 1) / world`` of each; the counter counts the
-    whole buffers, as FSDP2's c10d ops do."""
+    one broadcast per shard and an all-to-all, not c10d all-gathers or reduce-scatters; the counter counts
+    the whole buffers, as FSDP2's c10d ops do."""
     if counter is None:
         return dict(meter.comm)
     return meter.comm | {k: counter.bytes[k] for k in ("all_gather", "reduce_scatter", "all_reduce")}

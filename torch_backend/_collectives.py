@@ -13,13 +13,13 @@ dependencies, no ``record_stream``.
 
 On gloo, ``reduce_scatter`` is one ``all_to_all_single`` (chunk ``d`` of the buffer to rank ``d``) and a
 local sum of the chunks received, in rank order: gloo's own ``reduce_scatter_tensor`` copies the buffer,
-all-reduces all of it and copies this rank's slice out. ``all_gather`` sends the shard to every peer and
-receives each peer's straight into its slice of the output (point-to-point, all in flight at once): gloo's
-own ``all_gather_into_tensor`` gathers into a temporary of the whole buffer and copies it out. Both move
-the bytes of their ring algorithms, ``(world - 1) / world`` of the buffer per rank; the times of both pairs
-are in ``experiments/results/gloo_collectives.md``. The point-to-point messages of one group pair up in the
-order they are issued, which is the same on every rank (the FSDP schedule issues the same collectives in
-the same order everywhere); their tag keeps them apart from a user's own send/recv.
+all-reduces all of it and copies this rank's slice out. ``all_gather`` is one broadcast per rank, each
+from that rank's slice of the output, in place (all in flight at once): gloo's own
+``all_gather_into_tensor`` gathers into a temporary of the whole buffer and copies it out. Each rank sends
+its shard to every peer, ``(world - 1) / world`` of the buffer, as in a ring; the times of both pairs are in
+``experiments/results/gloo_collectives.md``. They are gloo collectives, each in gloo's own sequence, so an
+all-gather issued and never waited for (a prefetch whose forward never came) finishes in the background
+like any other collective.
 """
 
 from __future__ import annotations
@@ -133,11 +133,8 @@ def _check_even(kind: str, label: str, group: dist.ProcessGroup, full: torch.Ten
     return world
 
 
-_GATHER_TAG = 0x5A6A  # the gloo all-gather's point-to-point messages (a user's send/recv default to tag 0)
-
-
 class _AllOf:
-    """Several issued works finished as one (the gloo all-gather's sends and receives)."""
+    """Several issued works finished as one (the gloo all-gather's broadcasts)."""
 
     def __init__(self, works: list[dist.Work]) -> None:
         self._works = works
@@ -151,17 +148,13 @@ class _AllOf:
 
 
 def _gloo_all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, world: int) -> _AllOf:
-    """Send ``shard`` to every peer and receive each peer's into its slice of ``full``; copy our own."""
+    """Copy ``shard`` into its slice of ``full``, then broadcast every rank's slice from that rank, in
+    place: each rank's shard lands straight in the others' buffers."""
     group = group if group is not None else dist.group.WORLD
-    rank, n = dist.get_rank(group), shard.numel()
-    flat, mine, works = full.view(-1), shard.reshape(-1), []
-    for step in range(1, world):  # peers in ring order: every rank talks to a different peer at each step
-        to, frm = (rank + step) % world, (rank - step) % world
-        works.append(dist.isend(mine, dist.get_global_rank(group, to), group=group, tag=_GATHER_TAG))
-        works.append(dist.irecv(flat[frm * n:(frm + 1) * n], dist.get_global_rank(group, frm), group=group,
-                                tag=_GATHER_TAG))
-    flat[rank * n:(rank + 1) * n].copy_(mine)
-    return _AllOf(works)
+    rank, n, flat = dist.get_rank(group), shard.numel(), full.view(-1)
+    flat[rank * n:(rank + 1) * n].copy_(shard.reshape(-1))
+    return _AllOf([dist.broadcast(flat[r * n:(r + 1) * n], dist.get_global_rank(group, r), group=group,
+                                  async_op=True) for r in range(world)])
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, label: str) -> Pending:

@@ -5,7 +5,8 @@ Each rank's buffer is drawn from a generator seeded by its rank, so every rank c
 the gather must equal their concatenation bit for bit (flat and as a 2-D block, Muon's use); the
 reduce-scatter their float64 numpy sum within the rounding of a ``world``-term sum (eps * world * the
 sum of the terms' magnitudes), as torch's own gloo reduce-scatter does, a lower precision within its own
-eps. Sizes that do not split into equal shards are refused on every rank before anything is sent.
+eps; gathers in flight at once on a sub-group (one never waited for) each fill their own buffer. Sizes
+that do not split into equal shards are refused on every rank before anything is sent.
 """
 
 from __future__ import annotations
@@ -58,6 +59,26 @@ def _gather(rank: int, world: int, dtype: torch.dtype, rows: int) -> None:
     assert counter.calls[("all_gather", "case")] == 1 and counter.copy_bytes == 0
 
 
+def _gathers_in_flight(rank: int, world: int) -> None:
+    """On a sub-group: a gather issued and never waited for (a prefetch whose forward never came), then two
+    in flight at once, finished in the reverse order: each buffer holds exactly its own gather."""
+    members = list(range(1, world)) if world > 2 else [0, 1]
+    group = dist.new_group(members)  # every rank makes it, in the same order
+    if rank not in members:
+        return
+    me, size = members.index(rank), len(members)
+    shards = {n: [torch.from_numpy(_buffer(100 * n + r, n)) for r in range(size)]
+              for n in (SHARD, 2 * SHARD, 3 * SHARD)}
+    fulls = {n: torch.full((size * n,), float("nan"), dtype=torch.float64) for n in shards}
+    abandoned = all_gather(fulls[3 * SHARD], shards[3 * SHARD][me], group, label="abandoned")  # noqa: F841
+    first = all_gather(fulls[SHARD], shards[SHARD][me], group, label="first")
+    second = all_gather(fulls[2 * SHARD], shards[2 * SHARD][me], group, label="second")
+    second.wait()
+    first.wait()
+    for n in (SHARD, 2 * SHARD):
+        assert torch.equal(fulls[n], torch.cat(shards[n])), f"the gather of {n} per rank differs"
+
+
 def _uneven(rank: int, world: int) -> None:
     shard, full = torch.empty(SHARD), torch.empty(world * SHARD + 1)
     for name, call in (("reduce_scatter", lambda: reduce_scatter(shard, full, dist.group.WORLD, label="u")),
@@ -77,6 +98,7 @@ def checks(rank: int, world: int) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (1, 3):
             cases[f"gather {dtype} x{rows}"] = lambda d=dtype, r=rows: _gather(rank, world, d, r)
+    cases["in flight"] = lambda: _gathers_in_flight(rank, world)
     cases["uneven"] = lambda: _uneven(rank, world)
     return run_cases(cases)
 
