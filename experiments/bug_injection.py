@@ -87,6 +87,23 @@ def _torch_stale_gathered_shard() -> None:
     unit.all_gather = all_gather
 
 
+def _torch_gather_own_shard_missing() -> None:
+    """The gloo all-gather never copies this rank's shard into its own slice of the gathered buffer: that
+    slice keeps what the allocator left there (often an earlier gather's values) and goes to every peer."""
+    import torch.distributed as dist
+
+    import torch_backend._collectives as collectives
+
+    original = collectives._gloo_all_gather
+
+    def gather(full, shard, group, world):
+        rank, n = dist.get_rank(group if group is not None else dist.group.WORLD), shard.numel()
+        own = full.view(-1)[rank * n:(rank + 1) * n]
+        return original(full, own, group, world)  # copies the slice onto itself
+
+    collectives._gloo_all_gather = gather
+
+
 def _torch_ep_gradient_dropped() -> None:
     """Expert parallelism's all-to-all backward loses the gradient rows of the last EP rank's block (an
     expert's gradient from that rank's tokens, and those tokens' gradient, never arrive)."""
@@ -169,6 +186,8 @@ BUGS: dict[str, Bug] = {
     "torch_gradient_not_divided": Bug(_torch_gradient_not_divided, "torch", (
         f"{_DD}::test_routed_experts_root_and_aux_parameters_train_like_single_process[2]",)),
     "torch_stale_gathered_shard": Bug(_torch_stale_gathered_shard, "torch", (
+        f"{_DD}::test_routed_experts_root_and_aux_parameters_train_like_single_process[2]",)),
+    "torch_gather_own_shard_missing": Bug(_torch_gather_own_shard_missing, "torch", (
         f"{_DD}::test_routed_experts_root_and_aux_parameters_train_like_single_process[2]",)),
     "torch_ep_gradient_dropped": Bug(_torch_ep_gradient_dropped, "torch", (
         f"{_MOE}::test_expert_parallel_with_fsdp_equals_single_process[mixtral-tiny-2-2]",
