@@ -143,8 +143,14 @@ class _AllOf:
         return all(w.is_completed() for w in self._works)
 
     def wait(self) -> None:
+        errors = []
         for w in self._works:
-            w.wait()
+            try:
+                w.wait()
+            except Exception as e:  # one timed out: gloo closes the pairs, so the others fail at once
+                errors.append(str(e))
+        if errors:  # every distinct cause, the timeout among them, whichever work reported first
+            raise RuntimeError("; ".join(dict.fromkeys(errors)))
 
 
 def _gloo_all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, world: int) -> _AllOf:
