@@ -90,10 +90,10 @@ def shard_model(model: nnx.Module | Callable, mesh: Mesh, *, units: UnitSelector
         remat: NNX only: re-gather each unit in its backward and recompute its activations there, so one
             unit is unsharded at a time (the unit's call may then read only its own module and arguments).
         reshard_after_forward: free each unit's gathered parameters after its call and re-gather them in
-            its backward, keeping its activations (FSDP2's option; recomputes no arithmetic). ``None``: True
-            for an NNX module, FSDP2's default (the root stays gathered through the step), False for a pure
-            function, which has no unit call to re-gather in (True is an error there). Why resharding is
-            the default: docs/jax_backend.md, "Measured against GSPMD".
+            its backward, keeping its activations (FSDP2's option; recomputes elementwise ops only).
+            ``None``: True for an NNX module, FSDP2's default (the root stays gathered through the step),
+            False for a pure function, which has no unit call to re-gather in (True is an error there). Why
+            resharding is the default: docs/jax_backend.md, "Measured against GSPMD".
         layouts: pre-planned Layouts (e.g. a core preset's order); their units must own the same
             parameters, with the same shapes.
         sync_batch_stats: NNX only: ``nnx.BatchNorm`` layers average their batch statistics over the

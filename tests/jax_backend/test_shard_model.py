@@ -150,8 +150,11 @@ def test_sharded_init_equals_the_unsharded_init_and_holds_one_unit_at_a_time(req
 def test_compiled_step_reshards_units_after_forward_and_uses_less_temp_than_gspmd(moe, data):
     """The compiled step at 4 devices: kept gathered, one all-gather per unit; resharded after forward (and
     with remat), each block and the head are gathered again in their backward. Reshard after forward
-    recomputes no dot (as many as kept gathered; remat has more) and its temporary memory drops by more
-    than two blocks' unsharded buffers, below GSPMD FSDP's on the same model; remat's drops further."""
+    recomputes no dot (as many as kept gathered; remat has more) and its temporary memory drops by at least
+    twice the non-root units' unsharded bytes (kept gathered holds them and XLA's copies of the weights
+    from the forward to the backward; 3.1x measured, 1.35x when the backward's fused elementwise kernels
+    still read the forward's gathered buffers and kept them alive), below GSPMD FSDP's on the same model;
+    remat's drops further."""
     b, opt = data[0], adamw()
     temp, dots = {}, {}
     for name, mode in MODES.items():
@@ -169,9 +172,9 @@ def test_compiled_step_reshards_units_after_forward_and_uses_less_temp_than_gspm
         assert got == want, (name, got, want)
         assert sum(" reduce-scatter(" in op for op in ops) == len(fsdp.layouts)
         temp[name], dots[name] = compiled.memory_analysis().temp_size_in_bytes, text.count(" dot(")
-    block_bytes = 4 * fsdp.layouts[1].total_numel
+    unsharded = 4 * sum(lay.total_numel for lay in fsdp.layouts if lay.name != "root")
     assert dots["reshard"] == dots["keep"] < dots["remat"], dots
-    assert temp["reshard"] + 2 * block_bytes < temp["keep"], temp
+    assert temp["reshard"] + 2 * unsharded <= temp["keep"], (temp, unsharded)
     assert temp["remat"] < temp["reshard"], temp
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     step, params, state = gspmd_step(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, moe_loss,
