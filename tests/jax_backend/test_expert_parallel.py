@@ -171,7 +171,7 @@ def train_reference(model: MoEDecoder, data: np.ndarray, dtype=None,
 def train_ep(model: MoEDecoder, data: np.ndarray, ep: int, fsdp: int, replica: int,
              capacity_factor: float | None = None, steps: int = STEPS,
              mp_policy: MixedPrecisionPolicy | None = None, on_shards_opt=None,
-             granularity="rows:1") -> tuple[list[float], dict, list]:
+             granularity="rows:1", reshard_after_forward: bool = True) -> tuple[list[float], dict, list]:
     """``parallelize_moe`` training (with ``granularity``): losses, final full params and each step's
     per-device drop counts. AdamW, or ``on_shards(on_shards_opt(fsdp))`` for a layout-aware optimizer."""
     hsdp = replica > 1
@@ -181,7 +181,7 @@ def train_ep(model: MoEDecoder, data: np.ndarray, ep: int, fsdp: int, replica: i
         make_mesh((ep, fsdp), ("ep", "fsdp"))
     runtime = parallelize_moe(model, mesh, replica_axis="replica" if hsdp else None,
                               capacity_factor=capacity_factor, mp_policy=mp_policy,
-                              granularity=granularity)
+                              granularity=granularity, reshard_after_forward=reshard_after_forward)
     opt = ADAMW if on_shards_opt is None else on_shards(on_shards_opt(runtime.fsdp))
     buffers = runtime.shard_params(model_params(model))
     state, model_state = runtime.fsdp.init(opt, buffers), runtime.init_model_state()
@@ -294,6 +294,14 @@ def test_five_adamw_steps_equal_single_device_training(x64, name, ep, fsdp, repl
     assert (rows == 0).any() and (rows > 0).any(), "no expert went empty: the forcing did not work"
     by_rank = rows.reshape(*rows.shape[:-1], ep, -1).sum(axis=-1)
     assert ep == 1 or (by_rank == 0).any(), "no EP rank's experts went empty: the forcing did not work"
+
+
+def test_units_kept_gathered_equal_single_device_training(x64):
+    """``reshard_after_forward=False`` (every unit kept gathered from its forward to its backward, the other
+    of the two ways; the cases above run the default, resharded)."""
+    want_losses, history, data = reference("gpt-oss-tiny", 2, 4)
+    losses, params, _ = train_ep(float64(build("gpt-oss-tiny")), data, 2, 2, 1, reshard_after_forward=False)
+    assert_float64_parity(losses, params, (want_losses, history[-1]))
 
 
 @pytest.mark.parametrize("name", MODELS)
