@@ -103,7 +103,7 @@ def collect(path: str, fn: str, world: int, *args: object, answers: int | None =
         ``{rank: result}`` for the ranks that answered, and ``{rank: {"<worker>": where its threads
         were}}`` for a live rank that did not.
     """
-    timeout_s *= float(os.environ.get(TIMEOUT_SCALE_ENV, "1"))
+    timeout_s = scaled_timeout(timeout_s)
     ctx = worker_context()  # a forkserver: workers fork from it, never from pytest, which may hold jax
     out = ctx.Queue()
     results: dict[int, Results] = {}
@@ -133,6 +133,12 @@ def collect(path: str, fn: str, world: int, *args: object, answers: int | None =
                 if p.is_alive():
                     p.kill()
     return results
+
+
+def scaled_timeout(seconds: float) -> float:
+    """A launch's timeout as run: times ``$RAGGED_LAUNCH_TIMEOUT_SCALE`` (default 1; the variance check
+    raises it, since it checks numerics on a loaded machine, not speed)."""
+    return seconds * float(os.environ.get(TIMEOUT_SCALE_ENV, "1"))
 
 
 def launch(

@@ -50,10 +50,11 @@ def test_survivor_names_the_collective_within_the_timeout(tmp_path, how):
 
 def test_a_launch_that_times_out_shows_where_its_silent_rank_is():
     """A rank hung outside any collective is killed at the launch's timeout, its threads' stacks shown."""
-    results = _dist.launch(WORKERS, "sleep_checks", WORLD, 60.0, timeout_s=3.0)
+    results = _dist.launch(WORKERS, "sleep_checks", WORLD, _dist.scaled_timeout(60.0), timeout_s=3.0)
     assert results[0] == {"slept": False}, results
     where = results[1]["<worker>"]
-    assert where.startswith("rank 1 did not answer within 3.0s") and " in sleep_checks" in where, where
+    timeout = _dist.scaled_timeout(3.0)
+    assert where.startswith(f"rank 1 did not answer within {timeout}s") and " in sleep_checks" in where, where
 
 
 def test_checkpoint_torn_by_a_dead_rank_leaves_the_previous_one_loadable(tmp_path):
