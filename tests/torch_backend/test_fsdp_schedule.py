@@ -18,10 +18,11 @@ N = 5  # units; unit 0 is the root's (kept unsharded after forward)
 
 
 class FakeUnit:
-    def __init__(self, name: str, log: list) -> None:
-        self.name, self.log = name, log
+    def __init__(self, name: str, log: list, reduces: list) -> None:
+        self.name, self.log, self.reduces = name, log, reduces
         self.unsharded = False
         self.trains = True
+        self.will_reduce = True
 
     @property
     def needs_gather(self) -> bool:
@@ -35,13 +36,18 @@ class FakeUnit:
     def reshard(self) -> None:
         self.unsharded = False
 
+    def reduce_gradients(self) -> bool:
+        self.reduces.append(self.name)
+        return False  # nothing left to finish
+
 
 class FakeState:
-    def __init__(self, i: int, log: list) -> None:
-        self.unit = FakeUnit(f"u{i}", log)
+    def __init__(self, i: int, log: list, reduces: list | None = None) -> None:
+        self.unit = FakeUnit(f"u{i}", log, reduces if reduces is not None else [])
         self.is_root = i == 0
         self.unshard_in_backward = True
         self.needs_backward = True
+        self.backward_done = False
 
     def stand_in(self) -> None:  # reshard_after_forward: every unit but the root
         if not self.is_root:
@@ -50,9 +56,10 @@ class FakeState:
 
 def one_rank(calls: list[list[int]], backward: list[int], event=None) -> tuple[list, list, list]:
     """Run forwards calling ``calls`` (one list per forward), then a backward reaching ``backward``;
-    return the gathers issued, the backward order and the reduce order."""
+    return the gathers issued, the backward order and the reduce-scatters issued."""
     log: list = []
-    states = [FakeState(i, log) for i in range(N)]
+    reduces: list = []
+    states = [FakeState(i, log, reduces) for i in range(N)]
     schedule = Schedule(states)
     schedule.post_optim_event = event
     for forward in calls:
@@ -61,12 +68,14 @@ def one_rank(calls: list[list[int]], backward: list[int], event=None) -> tuple[l
             schedule.forward(states[i], None)
             schedule.forward_done(states[i])
     schedule.begin_backward()
+    schedule.begin_reduces()
     for i in backward:
         schedule.backward_gather(states[i], None)
         states[i].unit.reshard()  # its backward is over
+        states[i].backward_done = True
+        schedule.reduce_ready()
     schedule.end_backward()
-    names = lambda ss: [s.unit.name for s in ss]  # noqa: E731
-    return log, names(schedule.backward), names(schedule.reduce_order())
+    return log, [s.unit.name for s in schedule.backward], reduces
 
 
 def routed_calls(skips: list[bool], twice: list[bool]) -> list[int]:
@@ -152,7 +161,7 @@ def test_replica_all_reduces_are_issued_in_reduce_order_whatever_completes_first
     """A rank's reduce-scatters complete in any order (``completions``, with ``checks[i]`` later reduces
     checking in between); the all-reduces over the replicas must still be issued in reduce order, as on
     every other rank, or two units' all-reduces would pair across the replicas."""
-    from torch_backend.fsdp._hooks import advance_in_order
+    from torch_backend.fsdp._schedule import advance_in_order
 
     issued: list = []
     units = [ReducingUnit(i, issued) for i in range(N)]

@@ -1,6 +1,7 @@
 """``fully_shard``: FSDP2's API over structure-aware layouts and zero-copy DBuffers.
 
-Imports flow one way: api, debug, collectives, dbuffer, unit, hooks, fully_shard.
+Imports flow one way: api, debug, collectives, dbuffer, unit, schedule, root, hooks, embedding_renorm,
+fully_shard.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from torch_backend._collectives import all_reduce
 from torch_backend._torch_internals import offset_free, source_mesh
 from torch_backend.fsdp._api import as_mp_policy, offloads_to_cpu
 from torch_backend.fsdp._dbuffer import norm_dtype
-from torch_backend.fsdp._hooks import EmbeddingRenorm, FSDPState, states_under
+from torch_backend.fsdp._embedding_renorm import EmbeddingRenorm
+from torch_backend.fsdp._hooks import FSDPState, states_under
 from torch_backend.fsdp._module import FSDPModule
 from torch_backend.fsdp._tensor_parallel import check_one_tp_mesh, shard_dims_split, tensor_parallel
 from torch_backend.fsdp._unit import ParamRef, Unit

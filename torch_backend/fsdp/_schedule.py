@@ -15,8 +15,10 @@ or gives it no gradient in backward), so the gathers follow a schedule, not the 
   (or a recomputation in it) gathers every entry from the cursor up to its own; the entries left are
   gathered at the end of backward.
 - reduce-scatters: the same reverse order, on a process group of their own (so when each is issued
-  relative to the all-gathers does not matter); each is issued when its unit's backward is over here,
-  or at the end of backward with zeros where no gradient came.
+  relative to the all-gathers does not matter); each is issued when its unit's backward is over here
+  and every unit before it in that order has issued its own, or at the end of backward with zeros
+  where no gradient came. Issued reduces are finished in that order too (HSDP's all-reduces over the
+  replicas follow them), never waited for before the end of backward.
 
 What no schedule can absorb, a unit called a data-dependent number of times on some ranks, shows at the
 end of the step: every rank folds a fingerprint of what it gathered and reduced into the one landed-
@@ -40,6 +42,7 @@ from torch_backend._debug import record_host_sync
 
 if TYPE_CHECKING:
     from torch_backend.fsdp._hooks import FSDPState
+    from torch_backend.fsdp._unit import Unit
 
 CHECK_EVENTS = os.environ.get("RAGGED_FSDP_CHECK_EVENTS", "0") != "0"
 _GATHER, _REDUCE = 1, 2
@@ -47,7 +50,11 @@ _MOD = (1 << 61) - 1  # fingerprints are kept below 2**61 so that their negation
 
 
 class Schedule:
-    """The gathers and reduce-scatters of one root's units, in an order that does not depend on data."""
+    """The gathers and reduce-scatters of one root's units, in an order that does not depend on data.
+
+    The hooks say when a unit needs its parameters (``forward``, ``backward_gather``) and when its
+    backward is over (``reduce_ready``); the schedule decides which collectives that issues.
+    """
 
     def __init__(self, states: Sequence[FSDPState]) -> None:
         self.states = [s for s in states if s.unit is not None]
@@ -65,6 +72,9 @@ class Schedule:
         self.bpos = 0
         self.met: set[FSDPState] = set()  # backward entries met by the cursor or by their own backward
         self.fingerprints = {_GATHER: 0, _REDUCE: 0}  # what this rank gathered, and reduced, in order
+        self.to_reduce: list[FSDPState] = []  # this backward's reduce order, not issued yet
+        self.reducing: list[Unit] = []  # issued, not finished (in reduce order)
+        self.reduced: list[Unit] = []  # reduced this step: their gradients are given out at its end
 
     # ----- forward ---------------------------------------------------------------------------------
     def forward(self, state: FSDPState, targets: list[FSDPState] | None) -> None:
@@ -186,16 +196,45 @@ class Schedule:
             self.met.add(s)
         self.bpos = max(self.bpos, stop)
 
-    def reduce_order(self) -> list[FSDPState]:
-        return [s for s in self.backward if s.unit.trains]
-
-    def reduced(self, state: FSDPState) -> None:
-        """``state``'s reduce-scatter is issued next."""
-        self._record(_REDUCE, state)
-
     def end_backward(self) -> None:
-        """Gather the backward entries no gradient reached here (another rank's may have)."""
+        """Gather the backward entries no gradient reached here (another rank's may have), then reduce
+        the units whose backward never ended here, in order."""
         self._gather_backward(len(self.backward))
+        for s in self.to_reduce:
+            s.backward_done = True
+            self._reduce(s)
+        self.to_reduce = []
+
+    # ----- reduce-scatters -------------------------------------------------------------------------
+    def begin_reduces(self) -> None:
+        """The step's backward (not one that only builds a graph) reduces the training units in the
+        backward order."""
+        self.to_reduce = [s for s in self.backward if s.unit.trains]
+        self.reduced = []
+
+    def reduce_ready(self) -> None:
+        """Issue the reduce-scatters of the units at the head of the order whose backward is over."""
+        while self.to_reduce and self.to_reduce[0].backward_done:
+            self._reduce(self.to_reduce.pop(0))
+
+    def _reduce(self, state: FSDPState) -> None:
+        # Reduces issued before are finished here if they have completed (their unsharded gradients
+        # freed before the next reduce needs memory; HSDP's all-reduce issued once the reduce-scatter
+        # is done, hidden behind backward). None is waited for before the end of backward: a peer may
+        # issue it only then (a unit that got no gradient there) and need this rank's all-gathers first.
+        self.reducing = advance_in_order(self.reducing)
+        unit = state.unit
+        if unit.will_reduce:
+            self._record(_REDUCE, state)
+        if unit.reduce_gradients():
+            self.reducing.append(unit)
+            self.reduced.append(unit)
+
+    def finish_reduces(self) -> None:
+        """Finish every issued reduce, in order."""
+        for unit in self.reducing:
+            unit.finish_reduce()
+        self.reducing = []
 
     # ----- checks ----------------------------------------------------------------------------------
     def _record(self, kind: int, state: FSDPState) -> None:
@@ -225,6 +264,22 @@ class Schedule:
         seen = [self.states[i] for i in self.observed]
         if seen and len(set(self.observed)) == len(seen):
             self.order = seen + [s for s in self.order if s not in seen]
+
+
+def advance_in_order(reducing: list[Unit]) -> list[Unit]:
+    """Finish the issued reduces that have completed, in reduce order; returns those left.
+
+    Past the first unit whose reduce-scatter is still running nothing advances: advancing issues HSDP's
+    all-reduce over the replicas, and those must be issued in one order on every rank. A later unit's
+    reduce-scatter may complete first on one rank and not on another; advancing it past an earlier one
+    would pair the two units' all-reduces across the replicas (silently, where their sizes match).
+    """
+    left, blocked = [], False
+    for unit in reducing:
+        if blocked or not unit.try_finish_reduce():
+            left.append(unit)
+            blocked = blocked or unit.reduce_scatter_running
+    return left
 
 
 def _check(group: dist.ProcessGroup, code: int, what: str, device: torch.device) -> None:
