@@ -143,7 +143,7 @@ def test_debug_counter_one_all_gather_and_one_reduce_scatter_per_unit(run, resha
     assert c["reduce_scatter"] == {u: 1 for u in units}
     # The default path's blocking collectives and host reads: none per unit; per step, one MAX all-reduce
     # of the landed-gradient masks and the schedule's fingerprints (one mesh) and its one read on the
-    # host (fsdp/_hooks.py), and the clip's all-reduce (whose total the caller reads, not the runtime).
+    # host (fsdp/_root.py), and the clip's all-reduce (whose total the caller reads, not the runtime).
     assert c["all_reduce"] == {"clip_grad_norm_": 1, "landed gradients": 1}
     assert c["host_syncs"] == {"landed gradients": 1}
     # Each reduce-scatter is issued during backward, when its unit's backward is over, not held to the
