@@ -244,7 +244,7 @@ class Schedule:
         same one (reduce-scatters are checked by the end of backward's fingerprint)."""
         code = (self.fingerprints[kind] * 1_000_003 + self.states.index(state) + 1) % _MOD
         if CHECK_EVENTS and kind == _GATHER:  # a reduce-scatter's check would wait mid-backward on a
-            unit = state.unit                  # peer that issues it only at its end (see _hooks._reduce)
+            unit = state.unit                  # peer that issues it only at its end (see ``_reduce``)
             _check(unit.gather_group, code, f"all-gather of {unit.name!r}", unit.device)
         self.fingerprints[kind] = code
 
