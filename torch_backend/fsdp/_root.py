@@ -143,7 +143,8 @@ class RootContext:
             queue_backward_callback(self.end_backward)
 
     def end_backward(self) -> None:
-        """The end-of-backward callback: reduce the units left in order, finish, give out the gradients."""
+        """The end-of-backward callback: reduce the units left in order, finish, give out the gradients,
+        reshard every unit but those told to stay unsharded (``set_reshard_after_backward(False)``)."""
         schedule = self.schedule
         schedule.end_backward()
         schedule.finish_reduces()
@@ -156,7 +157,10 @@ class RootContext:
         except RuntimeError:
             self.reset()
             raise
-        self.end_step()
+        for s in self.states:
+            if s.unit is not None and s.unit.reshard_after_backward:
+                s.unit.reshard()
+        self._forget_step()
 
     def _give_gradients(self) -> None:
         """One MAX all-reduce per mesh of the reduced units' landed masks and of the schedule's codes,
@@ -197,17 +201,6 @@ class RootContext:
             if s.unit is not None and s.unit not in reduced:
                 s.unit.end_backward(None)
 
-    def end_step(self) -> None:
-        """Reshard every unit (after backward, or after a forward that had no backward), except those
-        told to stay unsharded after backward (``set_reshard_after_backward(False)``)."""
-        self.schedule.finish_reduces()
-        for s in self.states:
-            if s.unit is not None and s.unit.reshard_after_backward:
-                s.unit.reshard()
-            s.clear_backward()
-        self.in_backward = self.defer_reduces = self.step_open = False
-        self.schedule.new_step()
-
     def reset(self) -> None:
         """``reset_iter_state``: after a forward or backward raised, forget the step and reshard.
 
@@ -217,7 +210,12 @@ class RootContext:
         for s in self.states:
             if s.unit is not None:
                 s.unit.discard_step()
-            s.clear_backward()
             s.modules_left = 0
+        self._forget_step()
+
+    def _forget_step(self) -> None:
+        """The step is over (its backward ended, or it raised): the next forward begins a new one."""
+        for s in self.states:
+            s.clear_backward()
         self.in_backward = self.defer_reduces = self.step_open = False
         self.schedule.new_step()
