@@ -35,12 +35,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if _HF_PRELOAD not in os.environ.get(WORKER_PRELOAD_ENV, "").split():
     os.environ[WORKER_PRELOAD_ENV] = f"{os.environ.get(WORKER_PRELOAD_ENV, '')} {_HF_PRELOAD}".strip()
 
-# One JAX compilation cache for the run, in a directory made for it (every run starts cold, as on a fresh
-# clone) and passed on to the JAX processes the tests start: a program that a test, a later test or another
-# process already compiled (the same HLO, options and devices: a re-created closure, a relaunched training
-# job) is loaded instead of compiled again. Programs that compile in under 0.1 s are not worth a file.
+# One compilation cache per stack for the run, in a directory made for it (every run starts cold, as on a
+# fresh clone) and passed on to the processes the tests start.
+# JAX: a program that a test, a later test or another process already compiled (the same HLO, options and
+# devices: a re-created closure, a relaunched training job) is loaded instead of compiled again. Programs
+# that compile in under 0.1 s are not worth a file.
+# Inductor: not its shared /tmp cache. One written natively (AVX-512 here) and read under
+# ATEN_CPU_CAPABILITY=avx2 gives wrong numbers (test_fsdp_dropin's compiled float64 runs, ours and FSDP2's
+# alike: 0.07 from the reference; 0 with a fresh cache; torch 2.13): a run's result would depend on the
+# runs before it.
+_caches = tempfile.mkdtemp(prefix="ragged-fsdp-caches-")
+atexit.register(shutil.rmtree, _caches, ignore_errors=True)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_caches, "inductor"))
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _cache = tempfile.mkdtemp(prefix="ragged-fsdp-jax-cache-")
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1",
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=os.path.join(_caches, "jax"),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
